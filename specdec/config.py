@@ -1,0 +1,47 @@
+"""Flags and SPECDEC_* environment variables: one name per setting, everywhere.
+
+Every flag `--some-setting` defaults to the environment variable `SPECDEC_SOME_SETTING`,
+so the CLI, the Kubernetes ConfigMap and the README all use the same names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, parse_device, parse_dtype
+
+
+def env_name(flag: str) -> str:
+    return "SPECDEC_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_setting(parser: argparse.ArgumentParser, flag: str, default: Any, help: str,
+                type: Any = str, **kwargs: Any) -> None:
+    """Add --flag whose default comes from SPECDEC_FLAG, then from `default`."""
+    raw = os.environ.get(env_name(flag))
+    value = type(raw) if raw not in (None, "") else default
+    parser.add_argument(flag, default=value, type=type,
+                        help=f"{help} (env {env_name(flag)}; default: {default})", **kwargs)
+
+
+def add_model_settings(parser: argparse.ArgumentParser, roles: tuple[str, ...] = ("target", "draft")) -> None:
+    if "target" in roles:
+        add_setting(parser, "--target-model", DEFAULT_TARGET,
+                    "target model: the embedded SmolLM2-135M-Instruct, or any HF path or id")
+    if "draft" in roles:
+        add_setting(parser, "--draft-model", DEFAULT_DRAFT,
+                    "draft model: the embedded trained draft, or any HF path or id")
+    add_setting(parser, "--device", "cpu", "torch device: cpu, cuda, cuda:N or auto")
+    add_setting(parser, "--dtype", "float32", "model dtype: float32, bfloat16 or float16")
+    add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)", type=int)
+    add_setting(parser, "--kv-budget-mb", 2048, "KV cache memory budget per model (MiB)", type=int)
+
+
+def apply_torch_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    if getattr(args, "torch_threads", 0):
+        torch.set_num_threads(args.torch_threads)
+    return parse_device(args.device), parse_dtype(args.dtype)

@@ -1,0 +1,86 @@
+"""Distillation data: the target's own continuations and its top-k distribution per position.
+
+Each shard is one batch of prompts, written atomically as shard-NNNNN.pt, so an
+interrupted run resumes at the first missing shard. Even shards decode greedily (the
+contexts a T=0 request produces), odd shards sample at T=1 (the contexts of sampled
+requests); both store the target's unprocessed T=1 distribution, which is what the
+draft learns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from specdec.draft_training.prompts import Prompt, generate_prompts, split
+
+
+def interleave_by_category(prompts: list[Prompt]) -> list[Prompt]:
+    by_category: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    mixed = itertools.chain.from_iterable(itertools.zip_longest(*by_category.values()))
+    return [p for p in mixed if p is not None]
+
+
+def generate_shards(target_dir: str, out_dir: Path, batch_size: int = 48,
+                    max_new_tokens: int = 128, top_k: int = 16, max_shards: int = 100,
+                    time_budget_s: float = float("inf")) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    train_prompts, _ = split(generate_prompts())
+    prompts = interleave_by_category(train_prompts)
+    num_shards = min(max_shards, len(prompts) // batch_size)
+    started = time.monotonic()
+    columns = (TextColumn("distillation data"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[tokens]} tokens"))
+    with Progress(*columns) as bar:
+        task = bar.add_task("shards", total=num_shards, tokens=0)
+        total_tokens = 0
+        for shard in range(num_shards):
+            path = out_dir / f"shard-{shard:05d}.pt"
+            if path.exists():
+                bar.advance(task)
+                continue
+            if time.monotonic() - started > time_budget_s:
+                break
+            batch = prompts[shard * batch_size:(shard + 1) * batch_size]
+            chats = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
+                                                   add_generation_prompt=True, tokenize=False)
+                     for p in batch]
+            encoded = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+            greedy = shard % 2 == 0
+            with torch.no_grad():
+                out = model.generate(
+                    **encoded, max_new_tokens=max_new_tokens, do_sample=not greedy,
+                    temperature=1.0, top_k=0, top_p=1.0, return_dict_in_generate=True,
+                    output_logits=True, pad_token_id=tokenizer.eos_token_id)
+            logits = torch.stack(out.logits, dim=1)  # [B, new, V]
+            top = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            prompt_len = encoded["input_ids"].shape[1]
+            records = []
+            for row in range(len(batch)):
+                prompt_ids = encoded["input_ids"][row][encoded["attention_mask"][row].bool()]
+                new_ids = out.sequences[row, prompt_len:]
+                eos_at = (new_ids == tokenizer.eos_token_id).nonzero()
+                length = int(eos_at[0]) + 1 if len(eos_at) else new_ids.shape[0]
+                records.append({
+                    "category": batch[row].category,
+                    "prompt_ids": prompt_ids.to(torch.int32),
+                    "new_ids": new_ids[:length].to(torch.int32),
+                    "topk_ids": top.indices[row, :length].to(torch.int32),
+                    "topk_probs": top.values[row, :length].to(torch.float16),
+                })
+                total_tokens += length
+            tmp = path.with_suffix(".tmp")
+            torch.save({"greedy": greedy, "records": records}, tmp)
+            tmp.rename(path)
+            bar.update(task, advance=1, tokens=total_tokens)

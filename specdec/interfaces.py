@@ -1,0 +1,74 @@
+"""What the speculative loop needs from "something that proposes" and "something that checks".
+
+Implementations: in-process (specdec.local) and gRPC clients (coordinator.clients). Both
+keep a CacheMirror per session: the tokens they believe the remote KV cache holds, from
+which each call's committed position, fingerprint and catch-up tokens follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specdec.history import TokenHistory
+from specdec.sampling import SamplingParams
+from specdec.steps import SyncPoint
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None  # dense [k, target vocab] q; None for greedy requests
+    elapsed_s: float  # wall time of the call as the loop saw it
+    forward_s: float = 0.0  # model time inside the draft service
+    resyncs: int = 0
+    wire_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Verification:
+    accepted_len: int
+    next_token: int
+    elapsed_s: float
+    forward_s: float = 0.0
+    resyncs: int = 0
+    wire_bytes: int = 0
+
+
+class DraftUnavailable(Exception):
+    """The draft could not answer in time; the loop continues target-only (still exact)."""
+
+
+class Drafter(Protocol):
+    def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
+                params: SamplingParams) -> Proposal: ...
+
+    def release(self, session_id: str) -> None: ...
+
+
+class Verifier(Protocol):
+    def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
+               draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification: ...
+
+    def release(self, session_id: str) -> None: ...
+
+
+@dataclass
+class CacheMirror:
+    """The caller's copy of the token list a remote KV cache holds for one session."""
+
+    tokens: list[int] = field(default_factory=list)
+
+    def plan(self, session_id: str, committed: TokenHistory) -> SyncPoint:
+        position = committed.common_prefix(self.tokens)
+        return SyncPoint(session_id, position, committed.fingerprint(position),
+                         committed.tokens[position:])
+
+    def full_resync(self, session_id: str, committed: TokenHistory) -> SyncPoint:
+        self.tokens = []
+        return SyncPoint(session_id, 0, 0, list(committed.tokens))
+
+    def record(self, committed: TokenHistory, speculative: list[int]) -> None:
+        self.tokens = committed.tokens + speculative

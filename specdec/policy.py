@@ -1,0 +1,50 @@
+"""How many tokens to draft next round, and when to try a failing draft again."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from specdec.interfaces import Proposal, Verification
+
+
+class LengthPolicy(Protocol):
+    def next_length(self) -> int: ...
+
+    def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,
+                verification: Verification) -> None: ...
+
+
+class FixedLength:
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.num_draft_tokens = num_draft_tokens
+
+    def next_length(self) -> int:
+        return self.num_draft_tokens
+
+    def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,
+                verification: Verification) -> None:
+        pass
+
+
+class DraftBackoff:
+    """Exponential backoff for a draft that failed: skip it, then probe it again."""
+
+    def __init__(self, initial_s: float = 0.25, max_s: float = 5.0,
+                 clock: object = time.monotonic) -> None:
+        self.initial_s = initial_s
+        self.max_s = max_s
+        self._clock = clock
+        self._delay_s = 0.0
+        self._retry_at = 0.0
+
+    def ready(self) -> bool:
+        return self._clock() >= self._retry_at  # type: ignore[operator]
+
+    def failed(self) -> None:
+        self._delay_s = min(self.max_s, self._delay_s * 2 if self._delay_s else self.initial_s)
+        self._retry_at = self._clock() + self._delay_s  # type: ignore[operator]
+
+    def succeeded(self) -> None:
+        self._delay_s = 0.0
+        self._retry_at = 0.0

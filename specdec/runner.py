@@ -1,0 +1,187 @@
+"""A causal LM with one KV cache per session: extend, roll back, release, LRU-evict.
+
+Rollback is a crop of the transformers DynamicCache to the committed position; the
+session's TokenHistory says what the cache holds, so a request naming a committed
+position and its fingerprint is checked before anything is computed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
+from specdec.history import TokenHistory
+from specdec.vocab import VocabAdapter
+
+
+@dataclass
+class Session:
+    history: TokenHistory = field(default_factory=TokenHistory)
+    cache: DynamicCache | None = None
+    last_used: float = field(default_factory=time.monotonic)
+
+    def kv_bytes(self) -> int:
+        if self.cache is None:
+            return 0
+        total = 0
+        for layer in self.cache.layers:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    logits: torch.Tensor  # [num_logits, usable_rows] fp32, model space
+    kv_length: int
+    forward_s: float
+    tokens_processed: int
+
+
+class ModelRunner:
+    """Serialises forwards on one model; sessions are keyed by the caller's session id."""
+
+    def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
+                 token_map: torch.Tensor | None = None, kv_budget_bytes: int | None = None,
+                 max_context: int | None = None) -> None:
+        self.model = model
+        config = model.config
+        self.device = next(model.parameters()).device
+        model_rows = int(config.vocab_size)
+        self.vocab = VocabAdapter(model_rows, target_vocab_size or model_rows, token_map)
+        self.max_context = max_context or int(getattr(config, "max_position_embeddings", 2048))
+        self.kv_budget_bytes = kv_budget_bytes
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.RLock()
+
+    # -- session bookkeeping -------------------------------------------------------------
+    @property
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    def total_kv_bytes(self) -> int:
+        with self._lock:
+            return sum(session.kv_bytes() for session in self._sessions.values())
+
+    def session_bytes(self, session_id: str) -> int:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            return session.kv_bytes() if session else 0
+
+    def kv_length(self, session_id: str) -> int:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            return len(session.history) if session else 0
+
+    def release(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def _evict_for(self, keep: str, incoming_tokens: int) -> None:
+        if self.kv_budget_bytes is None:
+            return
+        current = self._sessions.get(keep)
+        per_token = self._bytes_per_token()
+        needed = incoming_tokens * per_token
+        while self.total_kv_bytes() + needed > self.kv_budget_bytes:
+            victims = [sid for sid in self._sessions if sid != keep]
+            if not victims:
+                held = current.kv_bytes() if current else 0
+                raise KVBudgetExhausted(
+                    f"KV cache budget of {self.kv_budget_bytes} bytes cannot hold this session "
+                    f"({held} bytes held + {needed} bytes for {incoming_tokens} new tokens) and "
+                    "no other session is left to evict; raise SPECDEC_KV_BUDGET_MB or shorten "
+                    "the request")
+            del self._sessions[victims[0]]  # least recently used first
+
+    def _bytes_per_token(self) -> int:
+        config = self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype_bytes = next(self.model.parameters()).element_size()
+        return 2 * int(config.num_hidden_layers) * int(heads) * int(head_dim) * dtype_bytes
+
+    # -- the one operation -----------------------------------------------------------------
+    def extend(self, session_id: str, committed_position: int, fingerprint: int,
+               tokens: list[int], num_logits: int = 1) -> ExtendResult:
+        """Roll the session back to committed_position, append tokens, run one forward.
+
+        committed_position == 0 (re)starts the session. Raises CacheSyncError when the
+        cache does not hold the named prefix, so the caller can re-sync from scratch.
+        """
+        if not tokens:
+            raise InvalidRequest("extend needs at least one new token")
+        if not 1 <= num_logits <= len(tokens):
+            raise InvalidRequest(f"num_logits must be in [1, {len(tokens)}], got {num_logits}")
+        with self._lock:
+            session = self._checked_session(session_id, committed_position, fingerprint)
+            new_length = committed_position + len(tokens)
+            if new_length > self.max_context:
+                raise InvalidRequest(
+                    f"sequence of {new_length} tokens exceeds the model context of "
+                    f"{self.max_context}")
+            self._evict_for(session_id, len(tokens))
+            if session is None:
+                session = Session()
+                self._sessions[session_id] = session
+            self._sessions.move_to_end(session_id)
+            session.last_used = time.monotonic()
+            if session.cache is not None and len(session.history) > committed_position:
+                session.cache.crop(committed_position - len(session.history))
+            session.history.truncate(committed_position)
+            started = time.perf_counter()
+            logits = self._forward(session, tokens)[-num_logits:]
+            forward_s = time.perf_counter() - started
+            session.history.extend(tokens)
+            return ExtendResult(logits, len(session.history), forward_s, len(tokens))
+
+    def append(self, session_id: str, tokens: list[int]) -> ExtendResult:
+        """Extend a live session at its current end (speculative draft steps)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise CacheSyncError(f"session {session_id!r} was evicted while drafting")
+            held = len(session.history)
+            return self.extend(session_id, held, session.history.fingerprint(), tokens)
+
+    def _checked_session(self, session_id: str, committed_position: int,
+                         fingerprint: int) -> Session | None:
+        session = self._sessions.get(session_id)
+        if committed_position == 0:
+            if session is not None:
+                session.history.truncate(0)
+                session.cache = None
+            return session
+        if session is None:
+            raise CacheSyncError(
+                f"session {session_id!r} has no KV cache here (new replica, restart or "
+                f"eviction); re-send it from position 0")
+        held = len(session.history)
+        if held < committed_position:
+            raise CacheSyncError(
+                f"session {session_id!r} holds {held} tokens, fewer than the committed "
+                f"position {committed_position}; re-send it from position 0")
+        if session.history.fingerprint(committed_position) != fingerprint:
+            raise CacheSyncError(
+                f"session {session_id!r} diverges from the committed prefix before position "
+                f"{committed_position} (fingerprint mismatch); re-send it from position 0")
+        return session
+
+    @torch.inference_mode()
+    def _forward(self, session: Session, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        ids = self.vocab.to_model_inputs(ids)
+        if session.cache is None:
+            session.cache = DynamicCache(config=self.model.config)
+        start = len(session.history)
+        positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
+        out = self.model(input_ids=ids, past_key_values=session.cache, position_ids=positions,
+                         use_cache=True)
+        return self.vocab.restrict(out.logits[0]).float()

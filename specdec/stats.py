@@ -1,0 +1,44 @@
+"""Per-request speculative-decoding statistics, with vLLM's meanings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    num_drafts: int = 0  # rounds that asked the draft for at least one token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    resyncs: int = 0
+    degraded: bool = False
+    draft_s: float = 0.0  # time the loop waited on Propose
+    verify_s: float = 0.0  # time the loop waited on Verify
+    draft_forward_s: float = 0.0  # model time inside the draft
+    verify_forward_s: float = 0.0  # model time inside the target
+    wire_bytes: int = 0
+    total_s: float = 0.0
+    first_token_s: float = 0.0
+
+    def record_round(self, num_drafted: int, accepted_len: int) -> None:
+        self.rounds += 1
+        if num_drafted == 0:
+            return
+        self.num_drafts += 1
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += accepted_len
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
+        for position in range(accepted_len):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per drafting round, bonus or correction included (vLLM)."""
+        return 1.0 + self.accepted_tokens / self.num_drafts if self.num_drafts else 1.0

@@ -1,0 +1,85 @@
+"""The two model-side steps of a round, shared by the in-process path and the services.
+
+`draft_step` runs on the draft's runner: catch the cache up, then sample k tokens
+autoregressively and keep q, the exact distribution each was drawn from.
+`verify_step` runs on the target's runner: one forward over the pending committed
+tokens and the k draft tokens, then the rejection sampler next to p, so p (k+1 rows of
+the full vocabulary) never crosses the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.rejection import Verdict, verify
+from specdec.runner import ModelRunner
+from specdec.sampling import Purpose, SamplingParams, draw, process_logits
+
+
+@dataclass(frozen=True)
+class SyncPoint:
+    """What the caller believes the service holds, and the committed tokens it lacks."""
+
+    session_id: str
+    committed_position: int
+    fingerprint: int
+    append: list[int]
+
+    @property
+    def next_position(self) -> int:
+        """Absolute position of the first token generated after this sync."""
+        return self.committed_position + len(self.append)
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    tokens: list[int]  # target ids
+    probs: torch.Tensor | None  # [k, usable draft rows] q in draft space; None when greedy
+    kv_length: int
+    forward_s: float
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    verdict: Verdict
+    kv_length: int
+    forward_s: float
+    tokens_processed: int
+
+
+def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
+               params: SamplingParams) -> DraftOutput:
+    result = runner.extend(sync.session_id, sync.committed_position, sync.fingerprint,
+                           sync.append, num_logits=1)
+    forward_s = result.forward_s
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    logits = result.logits
+    for index in range(num_tokens):
+        probs = process_logits(logits, params)
+        model_id = draw(probs, params, sync.next_position + index, Purpose.DRAFT)
+        token = int(runner.vocab.model_to_target_ids(model_id)[0])
+        tokens.append(token)
+        rows.append(probs[0])
+        if index + 1 < num_tokens:  # the last proposal is never fed: verification decides
+            step = runner.append(sync.session_id, [token])
+            logits, forward_s = step.logits, forward_s + step.forward_s
+    probs_out = None if params.greedy else torch.stack(rows)
+    return DraftOutput(tokens, probs_out, runner.kv_length(sync.session_id), forward_s)
+
+
+def verify_step(runner: ModelRunner, sync: SyncPoint, draft_tokens: list[int],
+                draft_probs: torch.Tensor | None, params: SamplingParams) -> VerifyOutput:
+    """draft_probs: dense [k, target vocab] q (ignored when greedy)."""
+    block = sync.append + draft_tokens
+    result = runner.extend(sync.session_id, sync.committed_position, sync.fingerprint, block,
+                           num_logits=len(draft_tokens) + 1)
+    # Greedy needs only argmax, which the raw logits give without a softmax.
+    target_probs = result.logits if params.greedy else process_logits(result.logits, params)
+    tokens = torch.tensor(draft_tokens, dtype=torch.long, device=target_probs.device)
+    if draft_probs is not None:
+        draft_probs = draft_probs.to(target_probs.device)
+    verdict = verify(tokens, draft_probs, target_probs, params, sync.next_position)
+    return VerifyOutput(verdict, result.kv_length, result.forward_s, result.tokens_processed)

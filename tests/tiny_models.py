@@ -1,0 +1,24 @@
+"""Tiny randomly initialised causal LMs (Llama and GPT-2) built from a config, no hub."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(vocab_size: int = 16, seed: int = 0, layers: int = 2, hidden: int = 32,
+               logit_scale: float = 1.0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper logits make distributions less uniform, tests stronger
+        model.lm_head.weight.mul_(logit_scale / model.lm_head.weight.std() / hidden**0.5 * 2)
+    return model
+
+
+def tiny_gpt2(vocab_size: int = 16, seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=256)
+    return GPT2LMHeadModel(config).eval()
