@@ -28,6 +28,11 @@ test: install
 	$(VENV)/bin/specdec prepare
 	$(PY) -m pytest -q
 
+# Python code for protos/ into specdec/proto/ (committed; never edit it by hand).
+protos: install
+	$(PY) scripts/gen_protos.py
+	$(VENV)/bin/buf lint
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy specdec draft_service target_service coordinator
