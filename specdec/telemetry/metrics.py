@@ -1,0 +1,182 @@
+"""Prometheus metrics, one registry per service, with vLLM's speculative-decoding meanings.
+
+Counters (coordinator), as vLLM defines them:
+- specdec_num_drafts_total: rounds that asked the draft for at least one token;
+- specdec_num_draft_tokens_total: tokens the draft proposed;
+- specdec_num_accepted_tokens_total: proposed tokens the target accepted;
+- specdec_num_accepted_tokens_per_pos_total{position}: acceptances at draft index
+  `position` (0-based), so acceptance by position is per_pos[i] / num_drafts.
+Mean acceptance length = 1 + accepted / drafts (the +1 is the correction or bonus token).
+They are counted per round as rounds end, so they move during long requests and sum to
+exactly the GenerationStats a response reports.
+
+Each service gets its own CollectorRegistry (not the process-global one), so tests can
+run the three services in one process and a registry holds only its service's series.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+
+if TYPE_CHECKING:  # the loop pulls in torch; `specdec traces` should not need it
+    from specdec.loop import GenerationResult, RoundEvent
+
+DEFAULT_METRICS_PORTS = {"coordinator": 9464, "draft": 9465, "target": 9466}
+
+_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+_CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+                 0.3, 0.5, 1, 2.5)
+
+
+def new_registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)  # CPU seconds, RSS, open fds of this process
+    return registry
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> int:
+    """Serve /metrics in a daemon thread; returns the bound port (port 0 picks one)."""
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return int(server.server_port)
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"specdec_{name}", doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"specdec_{name}", doc, buckets=buckets, registry=registry)
+
+        self.num_drafts = counter("num_drafts", "Rounds that asked the draft for tokens")
+        self.num_draft_tokens = counter("num_draft_tokens", "Tokens proposed by the draft")
+        self.num_accepted_tokens = counter("num_accepted_tokens",
+                                           "Draft tokens accepted by the target")
+        self.num_accepted_tokens_per_pos = counter(
+            "num_accepted_tokens_per_pos", "Accepted draft tokens by 0-based draft position",
+            ("position",))
+        self.rounds = counter("rounds", "Speculative rounds (target verifications)")
+        self.degraded_rounds = counter("degraded_rounds",
+                                       "Rounds run target-only because the draft was unavailable")
+        self.resyncs = counter("resyncs", "KV cache re-syncs from position 0")
+        self.requests = counter("requests", "Finished requests by finish reason",
+                                ("finish_reason",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.request_latency = histogram("request_latency_seconds",
+                                         "End-to-end generation time", _REQUEST_BUCKETS)
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Time to the first round's tokens", _REQUEST_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Generation time after the first round per further output token", _TOKEN_BUCKETS)
+        self.round_latency = histogram("round_latency_seconds",
+                                       "Wall time of one speculative round", _CALL_BUCKETS)
+        self.propose_latency = histogram("propose_latency_seconds",
+                                         "Propose call as the coordinator saw it", _CALL_BUCKETS)
+        self.verify_latency = histogram("verify_latency_seconds",
+                                        "Verify call as the coordinator saw it", _CALL_BUCKETS)
+        self.active_requests = Gauge("specdec_active_requests", "Requests being generated",
+                                     registry=registry)
+
+    def request(self) -> RequestRecorder:
+        return RequestRecorder(self)
+
+
+class RequestRecorder:
+    """Feeds one request's rounds and result into CoordinatorMetrics."""
+
+    def __init__(self, metrics: CoordinatorMetrics) -> None:
+        self.metrics = metrics
+        # A round starts when the previous one's callback returns (or the request starts):
+        # the loop does nothing else between rounds, so no hook at round start is needed.
+        self._round_started = time.perf_counter()
+        self._open = True
+        metrics.active_requests.inc()
+
+    def on_round(self, event: RoundEvent) -> None:
+        m = self.metrics
+        now = time.perf_counter()
+        m.round_latency.observe(now - self._round_started)
+        m.rounds.inc()
+        m.verify_latency.observe(event.verify_s)
+        m.resyncs.inc(event.resyncs)
+        if event.degraded:
+            m.degraded_rounds.inc()
+        proposed = len(event.proposal.tokens) if event.proposal else 0
+        if event.proposal is not None:
+            m.propose_latency.observe(event.proposal.elapsed_s)
+        if proposed:  # the same rule as GenerationStats.record_round
+            m.num_drafts.inc()
+            m.num_draft_tokens.inc(proposed)
+            m.num_accepted_tokens.inc(event.accepted_len)
+            for position in range(event.accepted_len):
+                m.num_accepted_tokens_per_pos.labels(position=str(position)).inc()
+        self._round_started = time.perf_counter()
+
+    def finish(self, result: GenerationResult, prompt_tokens: int) -> None:
+        m, stats = self.metrics, result.stats
+        m.requests.labels(finish_reason=result.finish_reason).inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(len(result.token_ids))
+        m.request_latency.observe(stats.total_s)
+        m.time_to_first_token.observe(stats.first_token_s)
+        if len(result.token_ids) > 1:
+            m.time_per_output_token.observe(
+                (stats.total_s - stats.first_token_s) / (len(result.token_ids) - 1))
+        self.close()
+
+    def fail(self, reason: str = "error") -> None:
+        self.metrics.requests.labels(finish_reason=reason).inc()
+        self.close()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.metrics.active_requests.dec()
+
+
+class ModelServiceMetrics:
+    """Draft or target: model time per call, tokens through the model, cache occupancy."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.registry = registry
+        self.forward = Histogram("specdec_forward_seconds",
+                                 f"Model time inside one {role} call", buckets=_CALL_BUCKETS,
+                                 registry=registry)
+        self.tokens_processed = Counter("specdec_tokens_processed",
+                                        "Tokens run through the model", registry=registry)
+        self.cache_resyncs = Counter("specdec_cache_sync_errors",
+                                     "Calls refused because the KV cache lacked the prefix",
+                                     registry=registry)
+        self.active_sessions = Gauge("specdec_active_sessions", "Sessions holding a KV cache",
+                                     registry=registry)
+        self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "Bytes held by KV caches",
+                                    registry=registry)
+
+    def watch_runner(self, runner: Any) -> None:
+        """Read the gauges from a ModelRunner at scrape time (no bookkeeping per call)."""
+        sessions: Callable[[], float] = lambda: float(runner.active_sessions)  # noqa: E731
+        # total_kv_bytes takes the runner lock, so a scrape waits for a forward in flight:
+        # at most one forward's delay for the scrape, never for the model.
+        kv_bytes: Callable[[], float] = lambda: float(runner.total_kv_bytes())  # noqa: E731
+        self.active_sessions.set_function(sessions)
+        self.kv_cache_bytes.set_function(kv_bytes)
+
+    def observe_step(self, forward_s: float, tokens_processed: int) -> None:
+        self.forward.observe(forward_s)
+        self.tokens_processed.inc(tokens_processed)

@@ -1,0 +1,65 @@
+"""Span names, attribute keys and event names shared by the writers and `specdec traces`.
+
+One module so the tracer that writes an attribute and the reader that shows it cannot
+drift apart. Keys follow OpenTelemetry's dotted lower-case style under `specdec.`.
+"""
+
+from __future__ import annotations
+
+# Span names.
+GENERATE_SPAN = "specdec.generate"  # one per request, in the coordinator
+ROUND_SPAN = "specdec.round"  # one per speculative round, child of the request span
+PROPOSE_STEP_SPAN = "specdec.propose"  # in-process runs only (gRPC runs get client spans)
+VERIFY_STEP_SPAN = "specdec.verify"
+REJECTION_EVENT = "specdec.rejection"
+
+# Resource attribute naming the role, so files join even under a custom service.name.
+ROLE = "specdec.role"
+
+# Request span.
+REQUEST_ID = "specdec.request_id"
+SESSION_ID = "specdec.session_id"
+PROMPT_TOKENS = "specdec.prompt_tokens"
+NEW_TOKENS = "specdec.new_tokens"
+MAX_NEW_TOKENS = "specdec.max_new_tokens"
+NUM_DRAFT_TOKENS = "specdec.num_draft_tokens"
+TEMPERATURE = "specdec.temperature"
+ROUNDS = "specdec.rounds"
+NUM_DRAFTS = "specdec.num_drafts"
+DRAFT_TOKENS = "specdec.draft_tokens"
+ACCEPTED_TOKENS = "specdec.accepted_tokens"
+ACCEPTANCE_RATE = "specdec.acceptance_rate"
+MEAN_ACCEPTED_LENGTH = "specdec.mean_accepted_length"
+FINISH_REASON = "specdec.finish_reason"
+DEGRADED = "specdec.degraded"
+RESYNCS = "specdec.resyncs"
+TTFT_MS = "specdec.time_to_first_token_ms"
+DRAFT_MS = "specdec.propose_ms"  # time the loop waited on Propose
+VERIFY_MS = "specdec.verify_ms"  # time the loop waited on Verify
+DRAFT_FORWARD_MS = "specdec.draft_forward_ms"  # model time inside the draft
+VERIFY_FORWARD_MS = "specdec.verify_forward_ms"  # model time inside the target
+WIRE_BYTES = "specdec.wire_bytes"
+
+# Round span (timing keys above are reused per round).
+ROUND_INDEX = "specdec.round.index"
+POSITION_BEFORE = "specdec.round.position_before"
+POSITION_AFTER = "specdec.round.position_after"
+ASKED = "specdec.round.asked"
+PROPOSED = "specdec.round.proposed"
+ACCEPTED = "specdec.round.accepted"
+EMITTED = "specdec.round.emitted"
+EMITTED_TOKEN_IDS = "specdec.round.emitted_token_ids"
+NEXT_TOKEN_KIND = "specdec.round.next_token_kind"  # "bonus", "correction" or "target"
+
+# Rejection event.
+REJECT_POSITION = "specdec.position"  # absolute position of the rejected token
+REJECT_DRAFT_INDEX = "specdec.draft_index"  # 0-based index within the proposal
+REJECTED_TOKEN = "specdec.rejected_token"
+CORRECTION_TOKEN = "specdec.correction_token"
+
+# Server spans (draft Propose, target Verify), set by the servicers.
+FORWARD_MS = "specdec.forward_ms"
+TOKENS_PROCESSED = "specdec.tokens_processed"
+KV_LENGTH = "specdec.kv_length"
+COMMITTED_POSITION = "specdec.committed_position"
+CATCH_UP_TOKENS = "specdec.catch_up_tokens"  # committed tokens the service lacked

@@ -1,0 +1,38 @@
+"""W3C trace context over gRPC metadata: client and server interceptors.
+
+opentelemetry-instrumentation-grpc does the work: the client interceptor opens a CLIENT
+span per call and injects `traceparent` (the globally configured propagator, W3C trace
+context + baggage unless OTEL_PROPAGATORS says otherwise); the server interceptor
+extracts it and opens the matching SERVER span, current while the servicer runs, so a
+servicer annotates it with `trace.get_current_span()`. Health checks and reflection are
+left untraced: Kubernetes probes would otherwise fill the trace files.
+"""
+
+from __future__ import annotations
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import client_interceptor, server_interceptor
+from opentelemetry.instrumentation.grpc import filters as grpc_filters
+
+_UNTRACED_SERVICE_PREFIXES = ("grpc.health.", "grpc.reflection.")
+
+
+def _traced_filter():  # type: ignore[no-untyped-def]
+    return grpc_filters.negate(grpc_filters.any_of(
+        *(grpc_filters.service_prefix(prefix) for prefix in _UNTRACED_SERVICE_PREFIXES)))
+
+
+def server_interceptors(provider: trace.TracerProvider | None) -> list[grpc.ServerInterceptor]:
+    """Interceptors for grpc.server(...); empty when tracing is off (no per-call cost)."""
+    if provider is None or isinstance(provider, trace.NoOpTracerProvider):
+        return []
+    return [server_interceptor(tracer_provider=provider, filter_=_traced_filter())]
+
+
+def intercept_channel(channel: grpc.Channel, provider: trace.TracerProvider | None) -> grpc.Channel:
+    """The channel, wrapped so each call carries the caller's trace context."""
+    if provider is None or isinstance(provider, trace.NoOpTracerProvider):
+        return channel
+    interceptor = client_interceptor(tracer_provider=provider, filter_=_traced_filter())
+    return grpc.intercept_channel(channel, interceptor)

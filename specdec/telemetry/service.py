@@ -1,0 +1,116 @@
+"""`Telemetry`: everything one service needs, built once at start-up from its flags.
+
+    telemetry = Telemetry.from_args(args, "draft")          # provider, registry, /metrics
+    server = build_server(..., interceptors=telemetry.server_interceptors())
+    channel = telemetry.intercept_channel(grpc.insecure_channel(address))   # clients
+    ...
+    telemetry.shutdown()                                       # flush the trace batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+
+from specdec.loop import GenerateConfig
+from specdec.telemetry import propagation, tracing
+from specdec.telemetry.metrics import (
+    CoordinatorMetrics,
+    ModelServiceMetrics,
+    new_registry,
+    start_metrics_server,
+)
+from specdec.telemetry.observe import RequestObserver, record_step
+from specdec.telemetry.round_tracer import RequestTracer
+from specdec.telemetry.settings import metrics_port_for, trace_file_for
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("coordinator", "draft", "target")
+
+
+class Telemetry:
+    def __init__(self, role: str, tracer_provider: trace.TracerProvider | None = None,
+                 registry: CollectorRegistry | None = None, *, record_tokens: bool = False,
+                 step_spans: bool = False) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown service role {role!r}; expected one of {ROLES}")
+        self.role = role
+        self.tracer_provider = tracer_provider or trace.NoOpTracerProvider()
+        self.tracer = self.tracer_provider.get_tracer("specdec")
+        self.registry = registry or new_registry()
+        self.record_tokens = record_tokens
+        self.step_spans = step_spans
+        coordinator = role == "coordinator"
+        self.coordinator_metrics = CoordinatorMetrics(self.registry) if coordinator else None
+        self.model_metrics = None if coordinator else ModelServiceMetrics(self.registry, role)
+        self.metrics_port: int | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, role: str, *,
+                  serve_metrics: bool = True) -> Telemetry:
+        """From the flags of specdec.telemetry.settings.add_telemetry_settings."""
+        enabled = tracing.switch_on(getattr(args, "tracing", "on"))
+        trace_file = trace_file_for(args, role)
+        provider = tracing.build_tracer_provider(role, enabled=enabled, trace_file=trace_file)
+        telemetry = cls(role, provider,
+                        record_tokens=tracing.switch_on(getattr(args, "trace_tokens", "off")))
+        if enabled and not tracing.sdk_disabled():
+            logger.info("%s: tracing on, file %s", role, trace_file or "(none)")
+        port = metrics_port_for(args, role)
+        if serve_metrics and port >= 0:
+            telemetry.serve_metrics(port)
+        return telemetry
+
+    @property
+    def tracing_enabled(self) -> bool:
+        return not isinstance(self.tracer_provider, trace.NoOpTracerProvider)
+
+    def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> int:
+        self.metrics_port = start_metrics_server(port, self.registry, addr)
+        logger.info("%s: Prometheus metrics on :%d/metrics", self.role, self.metrics_port)
+        return self.metrics_port
+
+    # -- gRPC ----------------------------------------------------------------------------
+    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+        return propagation.server_interceptors(self.tracer_provider)
+
+    def intercept_channel(self, channel: grpc.Channel) -> grpc.Channel:
+        return propagation.intercept_channel(channel, self.tracer_provider)
+
+    # -- coordinator -----------------------------------------------------------------------
+    def request(self, request_id: str, prompt_tokens: int,
+                config: GenerateConfig | None = None) -> RequestObserver:
+        tracer = None
+        if self.tracing_enabled:
+            tracer = RequestTracer(self.tracer, request_id=request_id,
+                                   prompt_tokens=prompt_tokens, config=config,
+                                   step_spans=self.step_spans, record_tokens=self.record_tokens)
+        recorder = self.coordinator_metrics.request() if self.coordinator_metrics else None
+        return RequestObserver(tracer, recorder, prompt_tokens)
+
+    # -- draft / target --------------------------------------------------------------------
+    def watch_runner(self, runner: Any) -> None:
+        if self.model_metrics is not None:
+            self.model_metrics.watch_runner(runner)
+
+    def record_step(self, *, forward_s: float, tokens_processed: int, kv_length: int,
+                    committed_position: int, catch_up_tokens: int, **extra: Any) -> None:
+        record_step(self.model_metrics, forward_s=forward_s, tokens_processed=tokens_processed,
+                    kv_length=kv_length, committed_position=committed_position,
+                    catch_up_tokens=catch_up_tokens, **extra)
+
+    def record_cache_sync_error(self) -> None:
+        if self.model_metrics is not None:
+            self.model_metrics.cache_resyncs.inc()
+
+    def flush(self, timeout_millis: int = 5000) -> bool:
+        return tracing.force_flush(self.tracer_provider, timeout_millis)
+
+    def shutdown(self) -> None:
+        tracing.shutdown_provider(self.tracer_provider)

@@ -1,0 +1,143 @@
+"""Request and round spans from an in-process run, through the JSON-lines file exporter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from specdec.telemetry import names as n
+from specdec.telemetry import reader
+from specdec.telemetry.service import Telemetry
+from specdec.telemetry.tracing import build_tracer_provider, service_resource
+from tests.telemetry_helpers import PROMPT, file_telemetry, run_request
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    path = tmp_path_factory.mktemp("traces") / "coordinator.jsonl"
+    telemetry = file_telemetry(path)
+    result, trace_id = run_request(telemetry)
+    telemetry.shutdown()
+    return path, result, trace_id
+
+
+def test_file_is_otlp_json_lines_with_hex_ids(traced: tuple) -> None:
+    path, _, trace_id = traced
+    lines = Path(path).read_text().splitlines()
+    assert lines
+    message = json.loads(lines[0])
+    span = message["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert len(span["traceId"]) == 32 and int(span["traceId"], 16) >= 0
+    assert len(span["spanId"]) == 16
+    assert len(trace_id) == 32
+
+
+def test_one_trace_with_round_spans_under_the_request(traced: tuple) -> None:
+    path, result, trace_id = traced
+    spans = reader.load_spans([path])
+    assert {s.trace_id for s in spans} == {trace_id}
+    generate = [s for s in spans if s.name == n.GENERATE_SPAN]
+    assert len(generate) == 1 and generate[0].parent_id == ""
+    rounds = [s for s in spans if s.name == n.ROUND_SPAN]
+    assert len(rounds) == result.stats.rounds
+    assert all(r.parent_id == generate[0].span_id for r in rounds)
+    by_id = {s.span_id: s for s in spans}
+    steps = [s for s in spans if s.name in (n.PROPOSE_STEP_SPAN, n.VERIFY_STEP_SPAN)]
+    assert steps and all(by_id[s.parent_id].name == n.ROUND_SPAN for s in steps)
+    # Every round verifies once; rounds end after their steps.
+    assert sum(s.name == n.VERIFY_STEP_SPAN for s in steps) == result.stats.rounds
+    for step in steps:
+        parent = by_id[step.parent_id]
+        assert parent.start_ns <= step.start_ns <= step.end_ns <= parent.end_ns
+
+
+def test_request_attributes_match_stats(traced: tuple) -> None:
+    path, result, _ = traced
+    spans = reader.load_spans([path])
+    a = next(s for s in spans if s.name == n.GENERATE_SPAN).attributes
+    stats = result.stats
+    assert a[n.REQUEST_ID] == "req-1"
+    assert a[n.PROMPT_TOKENS] == len(PROMPT)
+    assert a[n.NEW_TOKENS] == len(result.token_ids)
+    assert a[n.ROUNDS] == stats.rounds
+    assert a[n.ACCEPTED_TOKENS] == stats.accepted_tokens
+    assert a[n.DRAFT_TOKENS] == stats.draft_tokens
+    assert a[n.ACCEPTANCE_RATE] == pytest.approx(stats.acceptance_rate)
+    assert a[n.FINISH_REASON] == result.finish_reason
+    assert a[n.DEGRADED] is False
+
+
+def test_round_attributes_and_rejection_events(traced: tuple) -> None:
+    path, result, _ = traced
+    rounds = sorted((s for s in reader.load_spans([path]) if s.name == n.ROUND_SPAN),
+                    key=lambda s: s.attributes[n.ROUND_INDEX])
+    assert [r.attributes[n.ROUND_INDEX] for r in rounds] == list(range(result.stats.rounds))
+    emitted: list[int] = []
+    position = len(PROMPT)
+    for span in rounds:
+        a = span.attributes
+        assert a[n.POSITION_BEFORE] == position
+        position = a[n.POSITION_AFTER]
+        assert a[n.EMITTED] == position - a[n.POSITION_BEFORE]
+        emitted += a[n.EMITTED_TOKEN_IDS]
+        rejections = [e for e in span.events if e.name == n.REJECTION_EVENT]
+        if a[n.ACCEPTED] < a[n.PROPOSED]:
+            assert a[n.NEXT_TOKEN_KIND] == "correction"
+            (event,) = rejections
+            assert event.attributes[n.REJECT_POSITION] == a[n.POSITION_BEFORE] + a[n.ACCEPTED]
+            assert event.attributes[n.REJECT_DRAFT_INDEX] == a[n.ACCEPTED]
+        else:
+            assert not rejections
+            assert a[n.NEXT_TOKEN_KIND] == ("bonus" if a[n.PROPOSED] else "target")
+    assert emitted == result.token_ids
+    # Random tiny models disagree often: the run must have shown at least one rejection.
+    assert any(r.events for r in rounds)
+
+
+def test_tracing_off_gives_empty_trace_id_and_no_spans(tmp_path: Path) -> None:
+    telemetry = Telemetry("coordinator", build_tracer_provider("coordinator", enabled=False))
+    result, trace_id = run_request(telemetry, max_new_tokens=4)
+    assert trace_id == "" and len(result.token_ids) == 4
+    assert telemetry.server_interceptors() == []
+
+
+def test_otel_sdk_disabled_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert isinstance(build_tracer_provider("draft"), trace.NoOpTracerProvider)
+
+
+def test_service_name_default_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    assert service_resource("draft").attributes["service.name"] == "specdec-draft"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "my-draft")
+    resource = service_resource("draft")
+    assert resource.attributes["service.name"] == "my-draft"
+    assert resource.attributes[n.ROLE] == "draft"
+
+
+def test_exception_closes_open_round_and_marks_error() -> None:
+    exporter = InMemorySpanExporter()
+    provider = build_tracer_provider("coordinator", exporters=[exporter], synchronous=True)
+    telemetry = Telemetry("coordinator", provider)
+
+    class Broken:
+        def verify(self, *args: object) -> None:
+            raise RuntimeError("target down")
+
+        def release(self, session_id: str) -> None:
+            pass
+
+    from specdec.loop import GenerateConfig, generate
+
+    with pytest.raises(RuntimeError), telemetry.request("r", 3, GenerateConfig()) as observed:
+        generate(None, observed.verifier(Broken()), [1, 2, 3], GenerateConfig(max_new_tokens=2),
+                 on_round=observed.on_round)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans[n.ROUND_SPAN].status.status_code == trace.StatusCode.ERROR
+    assert spans[n.GENERATE_SPAN].status.status_code == trace.StatusCode.ERROR
+    assert trace.get_current_span() is trace.INVALID_SPAN  # contexts were detached
