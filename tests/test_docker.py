@@ -61,7 +61,8 @@ def ignored(path: str, patterns: list[str]) -> bool:
 def test_dockerignore_keeps_what_the_build_copies() -> None:
     patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    for needed in ("pyproject.toml", "README.md", "specdec", "specdec/cli.py"):
+    for needed in ("pyproject.toml", "README.md", "specdec", "specdec/cli.py", "coordinator",
+                   "draft_service", "target_service"):
         assert not ignored(needed, patterns), f".dockerignore drops {needed}"
     for junk in (".venv", ".git", "tests", "specdec/__pycache__"):
         assert ignored(junk, patterns), f".dockerignore should drop {junk}"
