@@ -4,6 +4,8 @@ This is the format of the OpenTelemetry Collector's file exporter (and what its
 `otlpjsonfile` receiver reads back), so traces are readable with no back end running
 and can be replayed into one later. Ids are hex strings as the OTLP/JSON spec requires,
 not the base64 that protobuf's generic JSON mapping would give for bytes fields.
+Encoding is specdec.telemetry.otlp_json (direct, fast); `protobuf_json_line` is the slow
+reference path through the exporter library's protobuf encoder, kept for the tests.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from google.protobuf import json_format
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from specdec.telemetry.otlp_json import export_request
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +44,15 @@ def _hex_ids(node: Any) -> None:
             _hex_ids(item)
 
 
-def spans_to_json_line(spans: Sequence[ReadableSpan]) -> str:
+def protobuf_json_line(spans: Sequence[ReadableSpan]) -> str:
     message = json_format.MessageToDict(encode_spans(spans), use_integers_for_enums=True)
     _hex_ids(message)
     return json.dumps(message, separators=(",", ":")) + "\n"
+
+
+def spans_to_json_line(spans: Sequence[ReadableSpan],
+                       resource_cache: dict[int, dict[str, Any]] | None = None) -> str:
+    return json.dumps(export_request(spans, resource_cache), separators=(",", ":")) + "\n"
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -54,12 +63,14 @@ class JsonLinesSpanExporter(SpanExporter):
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._closed = False
+        self._warned = False
+        self._resources: dict[int, dict[str, Any]] = {}
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._closed:
             return SpanExportResult.FAILURE
         try:
-            line = spans_to_json_line(spans)
+            line = spans_to_json_line(spans, self._resources)
             with self._lock:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._rotate_if_full(len(line))
@@ -67,8 +78,13 @@ class JsonLinesSpanExporter(SpanExporter):
                 with open(self.path, "a", encoding="utf-8") as handle:
                     handle.write(line)
             return SpanExportResult.SUCCESS
-        except OSError as error:  # a full disk must not take the service down
-            logger.warning("could not write spans to %s: %s", self.path, error)
+        except OSError as error:
+            # A full disk or a read-only file system must not take the service down, nor
+            # fill its log: warn once, keep trying (the condition may clear).
+            if not self._warned:
+                self._warned = True
+                logger.warning("cannot write spans to %s: %s (set SPECDEC_TRACE_DIR to a "
+                               "writable directory, or SPECDEC_TRACE_FILE=none)", self.path, error)
             return SpanExportResult.FAILURE
 
     def _rotate_if_full(self, incoming: int) -> None:
