@@ -156,7 +156,9 @@ def test_gpu_overlay_requests_gpus() -> None:
     assert settings["SPECDEC_DEVICE"] == "cuda" and settings["SPECDEC_DTYPE"] == "bfloat16"
     assert settings["SPECDEC_TARGET_MODEL"] != settings["SPECDEC_DRAFT_MODEL"]
     for role in ("draft", "target"):
-        pod = find(objects, "Deployment", f"specdec-{role}")["spec"]["template"]["spec"]
+        deployment = find(objects, "Deployment", f"specdec-{role}")["spec"]
+        assert deployment["strategy"]["rollingUpdate"]["maxSurge"] == 0  # no spare GPU
+        pod = deployment["template"]["spec"]
         assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
         assert pod["nodeSelector"]
