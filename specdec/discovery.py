@@ -136,7 +136,9 @@ class ReplicaSet:
 
     DNS specs are resolved once at construction and then every `refresh_s` seconds in a
     daemon thread. A failed lookup keeps the last known replicas: a DNS blip must not
-    unpin every session. Thread-safe.
+    unpin every session. `on_change` gets the new replica list whenever it changes,
+    including the first DNS answer (e.g. to close channels to removed replicas).
+    Thread-safe.
     """
 
     def __init__(self, spec: str | EndpointSpec, *, default_port: int | None = None,
@@ -205,11 +207,12 @@ class ReplicaSet:
 
     def mark_down(self, endpoint: str, cooldown_s: float | None = None) -> None:
         """Exclude a replica that failed; its sessions move to their next-ranked replica."""
-        until = self._clock() + (self.cooldown_s if cooldown_s is None else cooldown_s)
+        seconds = self.cooldown_s if cooldown_s is None else cooldown_s
         with self._lock:
-            if endpoint in self._resolved:
-                self._down[endpoint] = until
-        log.warning("replica %s marked down for %.0f s", endpoint, until - self._clock())
+            if endpoint not in self._resolved:
+                return  # already gone from DNS: nothing to exclude
+            self._down[endpoint] = self._clock() + seconds
+        log.warning("replica %s marked down for %.0f s", endpoint, seconds)
 
     def mark_up(self, endpoint: str) -> None:
         with self._lock:

@@ -232,3 +232,9 @@ def test_all_down_falls_back_to_every_replica() -> None:
         replica_set.mark_down(endpoint)
     assert replica_set.endpoints() == []
     assert replica_set.pick("s") in replicas(2)
+
+
+def test_mark_down_of_an_unknown_replica_is_ignored() -> None:
+    replica_set = ReplicaSet(",".join(replicas(2)))
+    replica_set.mark_down("10.9.9.9:50052")
+    assert replica_set.endpoints() == replicas(2)
