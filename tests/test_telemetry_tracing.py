@@ -141,3 +141,12 @@ def test_exception_closes_open_round_and_marks_error() -> None:
     assert spans[n.ROUND_SPAN].status.status_code == trace.StatusCode.ERROR
     assert spans[n.GENERATE_SPAN].status.status_code == trace.StatusCode.ERROR
     assert trace.get_current_span() is trace.INVALID_SPAN  # contexts were detached
+
+
+def test_unsampled_request_reports_no_trace_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry("coordinator", build_tracer_provider(
+        "coordinator", exporters=[exporter], synchronous=True))
+    _, trace_id = run_request(telemetry, max_new_tokens=3)
+    assert trace_id == "" and not exporter.get_finished_spans()

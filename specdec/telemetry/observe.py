@@ -9,7 +9,7 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from specdec.interfaces import Drafter, Verifier
-from specdec.loop import GenerationResult, RoundEvent
+from specdec.loop import GenerateConfig, GenerationResult, RoundEvent
 from specdec.telemetry import names as n
 from specdec.telemetry.metrics import ModelServiceMetrics, RequestRecorder
 from specdec.telemetry.round_tracer import RequestTracer
@@ -41,7 +41,9 @@ class RequestObserver:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self.recorder is not None and not self._finished:
-            self.recorder.fail("error" if exc is not None else "abandoned")
+            # An exception may name its own outcome (e.g. finish_reason = "cancelled").
+            reason = getattr(exc, "finish_reason", "error") if exc is not None else "abandoned"
+            self.recorder.fail(str(reason))
         if self.tracer is not None:
             self.tracer.__exit__(exc_type, exc, tb)
 
@@ -53,6 +55,10 @@ class RequestObserver:
         """Chain another round observer (streaming, logging) behind this one."""
         self._callbacks.append(callback)
         return self
+
+    def describe(self, config: GenerateConfig) -> None:
+        if self.tracer is not None:
+            self.tracer.describe(config)
 
     def drafter(self, inner: Drafter) -> Drafter:
         return self.tracer.drafter(inner) if self.tracer is not None else inner

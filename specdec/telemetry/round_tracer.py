@@ -29,9 +29,12 @@ from specdec.telemetry import names as n
 
 
 def trace_id_hex(span: Span) -> str:
-    """32 hex digits, or "" when tracing is off (non-recording spans carry no valid id)."""
+    """32 hex digits, or "" when no trace will exist: tracing off, or this request not
+    sampled (OTEL_TRACES_SAMPLER): an id that leads nowhere would only mislead."""
     span_context = span.get_span_context()
-    return format(span_context.trace_id, "032x") if span_context.is_valid else ""
+    if not (span_context.is_valid and span_context.trace_flags.sampled):
+        return ""
+    return format(span_context.trace_id, "032x")
 
 
 def _ms(seconds: float) -> float:
@@ -85,6 +88,17 @@ def rejection_attributes(event: RoundEvent,
     return attributes
 
 
+def config_attributes(config: GenerateConfig) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
+        n.MAX_NEW_TOKENS: config.max_new_tokens,
+        n.NUM_DRAFT_TOKENS: config.num_draft_tokens,
+        n.TEMPERATURE: float(config.sampling.temperature),
+    }
+    if config.session_id:
+        attributes[n.SESSION_ID] = config.session_id
+    return attributes
+
+
 def request_attributes(result: GenerationResult) -> dict[str, AttributeValue]:
     stats = result.stats
     return {
@@ -120,13 +134,7 @@ class RequestTracer:
         self._attributes: dict[str, AttributeValue] = {
             n.REQUEST_ID: request_id, n.PROMPT_TOKENS: prompt_tokens}
         if config is not None:
-            self._attributes.update({
-                n.MAX_NEW_TOKENS: config.max_new_tokens,
-                n.NUM_DRAFT_TOKENS: config.num_draft_tokens,
-                n.TEMPERATURE: float(config.sampling.temperature),
-            })
-            if config.session_id:
-                self._attributes[n.SESSION_ID] = config.session_id
+            self._attributes.update(config_attributes(config))
         self._attributes.update(attributes or {})
         self.span: Span = trace.INVALID_SPAN
         self._context: context.Context | None = None
@@ -159,6 +167,10 @@ class RequestTracer:
     @property
     def trace_id(self) -> str:
         return trace_id_hex(self.span)
+
+    def describe(self, config: GenerateConfig) -> None:
+        """Add the request's settings when they are known only after the span opened."""
+        self.span.set_attributes(config_attributes(config))
 
     def finish(self, result: GenerationResult) -> None:
         self.span.set_attributes(request_attributes(result))
