@@ -67,3 +67,37 @@ def test_torn_last_line_is_skipped(tmp_path: Path, trace_dir: tuple,
     copy.write_text((directory / "coordinator.jsonl").read_text() + '{"resourceSpans": [')
     assert main(["traces", "--trace-dir", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["trace_id"] == trace_id
+
+
+def test_send_replays_the_files_to_an_otlp_endpoint(
+        trace_dir: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import (
+        trace_service_pb2,
+        trace_service_pb2_grpc,
+    )
+
+    received: list = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        directory, trace_id, result = trace_dir
+        assert main(["traces", "--trace-dir", str(directory), "--send",
+                     f"http://127.0.0.1:{port}"]) == 0
+    finally:
+        server.stop(0)
+    spans = [span for request in received for resource in request.resource_spans
+             for scope in resource.scope_spans for span in scope.spans]
+    assert {span.trace_id.hex() for span in spans} == {trace_id}
+    assert sum(span.name == "specdec.round" for span in spans) == result.stats.rounds
+    assert f"sent {len(spans)} spans" in capsys.readouterr().out

@@ -3,6 +3,7 @@
     specdec traces                 recent requests: time, latency, tokens, acceptance, rounds
     specdec traces <trace_id>      one request: round table and waterfall (id prefix is fine)
     specdec traces ... --json      the same as JSON, for scripts
+    specdec traces --send http://127.0.0.1:4317   replay the files into an OTLP back end
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-spans", type=int, default=400,
                         help="spans in the timeline (default 400)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--send", metavar="ENDPOINT",
+                        help="send the trace files to this OTLP/gRPC endpoint (Phoenix, "
+                             "Jaeger, a Collector), e.g. http://127.0.0.1:4317")
     parser.set_defaults(func=run)
 
 
@@ -41,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
     if not paths:
         raise FileNotFoundError(f"no trace files (*.jsonl) in {args.trace_dir}; start the "
                                 "services with tracing on, or pass --trace-dir / --file")
+    if args.send:
+        from specdec.telemetry.replay import send_files
+
+        print(f"sent {send_files(paths, args.send)} spans to {args.send}")
+        return 0
     spans = reader.load_spans(paths)
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
