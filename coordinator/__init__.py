@@ -1,0 +1,1 @@
+"""The Coordinator gRPC service: runs specdec.loop over the Draft and Target services."""

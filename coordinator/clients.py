@@ -1,0 +1,268 @@
+"""gRPC Drafter and Verifier: the specdec.interfaces protocols over the network.
+
+Like specdec.local, each keeps a CacheMirror per session (what the service's KV cache
+should hold) and sends only the committed tokens the service lacks. A service that lost
+the cache (restart, eviction, another replica) answers FAILED_PRECONDITION; the client
+re-sends the whole history from position 0 and counts a resync, so specdec.loop runs
+unchanged. Failure policy differs by role: the draft is optional (any failure or a slow
+answer raises DraftUnavailable and the loop goes target-only, still exact), the target
+is not (calls wait for it, retrying, until the request's deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from specdec import wire
+from specdec.errors import InvalidRequest, ServiceUnavailable
+from specdec.grpc_server import MESSAGE_OPTIONS
+from specdec.grpc_status import from_rpc_error
+from specdec.history import TokenHistory
+from specdec.interfaces import CacheMirror, DraftUnavailable, Proposal, Verification
+from specdec.proto.specdec.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from specdec.sampling import SamplingParams
+from specdec.steps import SyncPoint
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly to a restarted peer: gRPC's default backoff grows to 120 s, which
+# would keep a recovered draft unused for minutes.
+CHANNEL_OPTIONS = [*MESSAGE_OPTIONS,
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+RELEASE_TIMEOUT_S = 2.0
+MAX_RESYNCS_PER_CALL = 2
+
+
+class ChannelPool:
+    """One channel per endpoint, shared by every session (HTTP/2 multiplexes calls).
+
+    `wrap` is the seam for client interceptors (e.g. trace propagation).
+    """
+
+    def __init__(self, wrap: Callable[[grpc.Channel], grpc.Channel] | None = None) -> None:
+        self._wrap = wrap
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+                if self._wrap is not None:
+                    channel = self._wrap(channel)
+                self._channels[endpoint] = channel
+            return channel
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class ProbsRelay:
+    """Passes q from a Propose response to the following Verify as the received message.
+
+    The loop hands the verifier a dense tensor; re-encoding it would cost a scan of
+    rows x vocabulary per round, so the verifier forwards the original bytes whenever it
+    is given the very tensor the drafter decoded.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[torch.Tensor, common_pb2.DraftProbs]] = {}
+
+    def put(self, session_id: str, probs: torch.Tensor, message: common_pb2.DraftProbs) -> None:
+        self._last[session_id] = (probs, message)
+
+    def take(self, session_id: str, probs: torch.Tensor) -> common_pb2.DraftProbs | None:
+        entry = self._last.pop(session_id, None)
+        return entry[1] if entry is not None and entry[0] is probs else None
+
+    def drop(self, session_id: str) -> None:
+        self._last.pop(session_id, None)
+
+
+def _plan(mirror: CacheMirror, session_id: str, committed: TokenHistory) -> SyncPoint:
+    sync = mirror.plan(session_id, committed)
+    if sync.append or sync.committed_position == 0:
+        return sync
+    # The service may hold the whole committed history already, but a step needs at
+    # least one input token to produce logits: roll back one and re-feed it.
+    position = sync.committed_position - 1
+    return SyncPoint(session_id, position, committed.fingerprint(position),
+                     committed.tokens[position:])
+
+
+def _failed(mirror: CacheMirror, committed: TokenHistory, sync: SyncPoint) -> None:
+    """After a call with an unknown outcome, trust only the prefix both sides agreed on."""
+    mirror.tokens = committed.tokens[: sync.committed_position]
+
+
+def _code(error: grpc.RpcError) -> grpc.StatusCode:
+    return error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+
+
+def _describe(error: grpc.RpcError) -> str:
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    return f"{_code(error).name}: {details}"
+
+
+class GrpcDrafter:
+    """`timeout_s` bounds each Propose; `deadline` is the request's monotonic deadline."""
+
+    def __init__(self, channel: grpc.Channel, endpoint: str, *, vocab_size: int,
+                 timeout_s: float, deadline: float | None = None,
+                 relay: ProbsRelay | None = None) -> None:
+        self.stub = draft_pb2_grpc.DraftStub(channel)
+        self.endpoint = endpoint
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.deadline = deadline
+        self.relay = relay
+        self._mirrors: dict[str, CacheMirror] = {}
+
+    def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
+                params: SamplingParams) -> Proposal:
+        started = time.perf_counter()
+        mirror = self._mirrors.setdefault(session_id, CacheMirror())
+        sync = _plan(mirror, session_id, committed)
+        resyncs = 0
+        while True:
+            request = draft_pb2.ProposeRequest(sync=wire.sync_to_proto(sync), num_tokens=num_tokens,
+                                               sampling=wire.sampling_to_proto(params))
+            timeout = self.timeout_s
+            if self.deadline is not None:
+                timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
+            try:
+                response = self.stub.Propose(request, timeout=timeout)
+                break
+            except grpc.RpcError as error:
+                if _code(error) == grpc.StatusCode.FAILED_PRECONDITION \
+                        and resyncs < MAX_RESYNCS_PER_CALL:
+                    resyncs += 1
+                    sync = mirror.full_resync(session_id, committed)
+                    continue
+                _failed(mirror, committed, sync)
+                raise DraftUnavailable(f"draft {self.endpoint}: {_describe(error)}") from None
+        tokens = list(response.tokens)
+        try:
+            probs = self._checked(response, tokens, num_tokens, params)
+        except InvalidRequest as error:  # a draft that answers nonsense is not used
+            _failed(mirror, committed, sync)
+            raise DraftUnavailable(f"draft {self.endpoint} answered badly: {error}") from None
+        if probs is not None and self.relay is not None:
+            self.relay.put(session_id, probs, response.probs)
+        mirror.record(committed, tokens[:-1])  # the last proposal is never fed to the draft
+        return Proposal(tokens, probs, time.perf_counter() - started, response.forward_seconds,
+                        resyncs, request.ByteSize() + response.ByteSize())
+
+    def _checked(self, response: draft_pb2.ProposeResponse, tokens: list[int],
+                 num_tokens: int, params: SamplingParams) -> torch.Tensor | None:
+        if len(tokens) != num_tokens:
+            raise InvalidRequest(f"{len(tokens)} tokens for {num_tokens} asked")
+        wire.check_token_ids(tokens, self.vocab_size, "tokens")
+        if params.greedy:
+            return None
+        return wire.decode_probs(response.probs, len(tokens), self.vocab_size, "probs")
+
+    def release(self, session_id: str) -> None:
+        self._mirrors.pop(session_id, None)
+        if self.relay is not None:
+            self.relay.drop(session_id)
+        try:
+            self.stub.Release(draft_pb2.DraftReleaseRequest(session_id=session_id),
+                              timeout=RELEASE_TIMEOUT_S)
+        except grpc.RpcError as error:
+            # The TTL on the draft frees the cache anyway.
+            log.debug("release of %s on %s failed: %s", session_id, self.endpoint, error)
+
+
+class GrpcVerifier:
+    """`deadline` is the request's absolute time.monotonic() deadline (None: none)."""
+
+    def __init__(self, channel: grpc.Channel, endpoint: str, *, call_timeout_s: float,
+                 deadline: float | None = None, relay: ProbsRelay | None = None,
+                 retry_interval_s: float = 0.1) -> None:
+        self.stub = target_pb2_grpc.TargetStub(channel)
+        self.endpoint = endpoint
+        self.call_timeout_s = call_timeout_s
+        self.deadline = deadline
+        self.relay = relay
+        self.retry_interval_s = retry_interval_s
+        self._mirrors: dict[str, CacheMirror] = {}
+
+    def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
+               draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification:
+        started = time.perf_counter()
+        give_up = time.monotonic() + self.call_timeout_s
+        if self.deadline is not None:
+            give_up = min(give_up, self.deadline)
+        mirror = self._mirrors.setdefault(session_id, CacheMirror())
+        sync = _plan(mirror, session_id, committed)
+        probs_message = None
+        if draft_tokens and not params.greedy:
+            if draft_probs is None:
+                raise InvalidRequest("sampled verification needs the draft probabilities q")
+            if self.relay is not None:
+                probs_message = self.relay.take(session_id, draft_probs)
+            if probs_message is None:
+                probs_message = wire.encode_probs(draft_probs)
+        resyncs = 0
+        last_error = "no answer"
+        while True:
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                raise ServiceUnavailable(f"target {self.endpoint} unavailable: no answer before "
+                                         f"the request deadline ({last_error})")
+            request = target_pb2.VerifyRequest(sync=wire.sync_to_proto(sync),
+                                               draft_tokens=draft_tokens,
+                                               sampling=wire.sampling_to_proto(params))
+            if probs_message is not None:
+                request.draft_probs.CopyFrom(probs_message)
+            try:
+                # wait_for_ready: a restarting target is waited for, not failed fast.
+                response = self.stub.Verify(request, timeout=remaining, wait_for_ready=True)
+                break
+            except grpc.RpcError as error:
+                code = _code(error)
+                last_error = _describe(error)
+                if code == grpc.StatusCode.FAILED_PRECONDITION and resyncs < MAX_RESYNCS_PER_CALL:
+                    resyncs += 1
+                    sync = mirror.full_resync(session_id, committed)
+                    continue
+                _failed(mirror, committed, sync)
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # Connection lost mid-call (a restart) or no answer yet: try again,
+                    # with the cache state re-checked, until the deadline.
+                    time.sleep(min(self.retry_interval_s, max(0.0, give_up - time.monotonic())))
+                    sync = _plan(mirror, session_id, committed)
+                    continue
+                raise from_rpc_error(error, f"target {self.endpoint}") from None
+        mirror.record(committed, draft_tokens)
+        return Verification(response.accepted_len, response.next_token,
+                            time.perf_counter() - started, response.forward_seconds, resyncs,
+                            request.ByteSize() + response.ByteSize())
+
+    def release(self, session_id: str) -> None:
+        self._mirrors.pop(session_id, None)
+        try:
+            self.stub.Release(target_pb2.TargetReleaseRequest(session_id=session_id),
+                              timeout=RELEASE_TIMEOUT_S)
+        except grpc.RpcError as error:
+            # The TTL on the target frees the cache anyway.
+            log.debug("release of %s on %s failed: %s", session_id, self.endpoint, error)

@@ -1,0 +1,46 @@
+"""Build the coordinator server from `specdec serve coordinator` flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from coordinator.clients import ChannelPool
+from coordinator.endpoints import StaticEndpoints
+from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
+from specdec.grpc_server import ServerHandle, build_server
+from specdec.model_service import model_info
+from specdec.models import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
+    return CoordinatorSettings(
+        num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
+        max_new_tokens_limit=args.max_new_tokens_limit,
+        draft_timeout_s=args.draft_timeout_ms / 1000, target_timeout_s=args.target_timeout_s)
+
+
+def create(args: argparse.Namespace,
+           interceptors: Sequence[grpc.ServerInterceptor] = ()) -> ServerHandle:
+    # Only the target's tokenizer and config: the weights live in the target service.
+    target = model_info(args.target_model)
+    try:
+        tokenizer = load_tokenizer(args.target_model)
+    except (OSError, ValueError) as error:
+        log.warning("no tokenizer for %s (%s): only prompt_token_ids will be accepted",
+                    args.target_model, error)
+        tokenizer = None
+    channels = ChannelPool()
+    draft = args.draft_endpoint if args.draft_endpoint.lower() not in ("", "none") else None
+    servicer = CoordinatorServicer(
+        target, StaticEndpoints(args.target_endpoint, draft),
+        settings=settings_from_args(args), tokenizer=tokenizer, channels=channels)
+    handle = build_server([servicer.service()], host=args.host, port=args.port,
+                          max_workers=args.max_workers, interceptors=interceptors)
+    handle.on_stop.append(channels.close)
+    return handle

@@ -1,0 +1,213 @@
+"""Coordinator.Generate / GenerateStream: validate, run specdec.loop over gRPC clients.
+
+Per request: pick endpoints (the discovery seam), build a GrpcDrafter and GrpcVerifier
+sharing a ProbsRelay, run `generate` in this thread (unary) or a worker thread feeding
+the stream. A client that cancels or whose deadline passes stops the loop after the
+current round; the loop's `finally` then releases both services' caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from coordinator.clients import ChannelPool, GrpcDrafter, GrpcVerifier, ProbsRelay
+from coordinator.endpoints import EndpointSource
+from coordinator.streaming import StreamChunker
+from coordinator.validation import Limits, ValidRequest, decoder, validate
+from specdec import policy as policies
+from specdec.errors import SpecdecError
+from specdec.grpc_server import Service
+from specdec.grpc_status import abort, rpc_errors
+from specdec.loop import GenerateConfig, GenerationResult, RoundEvent, generate
+from specdec.model_service import ModelInfo
+from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    num_draft_tokens: int = 4  # when a request has no `speculation`
+    max_draft_tokens: int = 16
+    max_new_tokens_limit: int = 2048
+    draft_timeout_s: float = 5.0  # per Propose; slower counts as unavailable
+    target_timeout_s: float = 30.0  # per Verify, retries included, within the deadline
+    draft_backoff_initial_s: float = 0.25
+    draft_backoff_max_s: float = 5.0
+
+
+class Cancelled(Exception):
+    """The client went away; raised from on_round to end the loop (which releases)."""
+
+
+def make_policy(num_draft_tokens: int, adaptive: bool) -> policies.LengthPolicy:
+    # AdaptiveLength is another engineer's; until it lands, --adaptive is plumbed only.
+    adaptive_cls = getattr(policies, "AdaptiveLength", None)
+    if adaptive and num_draft_tokens > 0 and adaptive_cls is not None:
+        return adaptive_cls(num_draft_tokens)  # type: ignore[no-any-return]
+    return policies.FixedLength(num_draft_tokens)
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    """Monotonic time to give up by: a little before the client's own deadline, so the
+    client receives our status (e.g. UNAVAILABLE naming the target), not its timeout."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > 1e7:
+        return None
+    return time.monotonic() + remaining - min(0.5, 0.1 * remaining)
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, target: ModelInfo, endpoints: EndpointSource, *,
+                 settings: CoordinatorSettings | None = None, tokenizer: Any | None = None,
+                 channels: ChannelPool | None = None) -> None:
+        self.target = target
+        self.endpoints = endpoints
+        self.settings = settings or CoordinatorSettings()
+        self.tokenizer = tokenizer
+        self.decode = decoder(tokenizer)
+        self.channels = channels or ChannelPool()
+        self.limits = Limits(target.vocab_size, target.max_context,
+                             self.settings.max_new_tokens_limit, self.settings.max_draft_tokens,
+                             self.settings.num_draft_tokens)
+
+    def service(self) -> Service:
+        return Service(SERVICE_NAME,
+                       lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, s))
+
+    # -- RPCs ------------------------------------------------------------------------------
+    @rpc_errors
+    def Generate(self, request: coordinator_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> coordinator_pb2.GenerateResponse:
+        valid = validate(request, self.limits, self.tokenizer)
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+        try:
+            result = self.run(valid, request.request_id, _deadline(context),
+                              lambda: cancelled.is_set() or not context.is_active())
+        except Cancelled:
+            context.abort(grpc.StatusCode.CANCELLED, "client cancelled")
+        response = coordinator_pb2.GenerateResponse(
+            text=result.text or "", token_ids=result.token_ids,
+            finish_reason=result.finish_reason)
+        self._fill_stats(response.stats, result, len(valid.prompt_ids))
+        return response
+
+    def GenerateStream(self, request: coordinator_pb2.GenerateRequest,
+                       context: grpc.ServicerContext
+                       ) -> Iterator[coordinator_pb2.GenerateResponse]:
+        try:
+            valid = validate(request, self.limits, self.tokenizer)
+        except SpecdecError as error:
+            abort(context, error)
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+        chunks: queue.Queue[coordinator_pb2.GenerateResponse | BaseException | None] = queue.Queue()
+        chunker = StreamChunker(self.decode, valid.stop)
+        output: list[int] = []
+
+        def on_round(event: RoundEvent) -> None:
+            output.extend(event.emitted)
+            text, tokens = chunker.update(output)
+            if text or tokens:
+                chunks.put(coordinator_pb2.GenerateResponse(text=text, token_ids=tokens))
+
+        def work() -> None:
+            try:
+                result = self.run(valid, request.request_id, _deadline(context),
+                                  lambda: cancelled.is_set() or not context.is_active(), on_round)
+                text, tokens = chunker.finish(result.text or "", result.token_ids)
+                last = coordinator_pb2.GenerateResponse(text=text, token_ids=tokens,
+                                                        finish_reason=result.finish_reason)
+                self._fill_stats(last.stats, result, len(valid.prompt_ids))
+                chunks.put(last)
+                chunks.put(None)
+            except BaseException as error:  # noqa: BLE001 - handed to the RPC thread
+                chunks.put(error)
+
+        worker = threading.Thread(target=work, name="generate-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = chunks.get()
+                if item is None:
+                    return
+                if isinstance(item, Cancelled):
+                    context.abort(grpc.StatusCode.CANCELLED, "client cancelled")
+                if isinstance(item, SpecdecError):
+                    abort(context, item)
+                if isinstance(item, BaseException):
+                    log.error("GenerateStream failed", exc_info=item)
+                    context.abort(grpc.StatusCode.INTERNAL, f"{type(item).__name__}: {item}")
+                yield item
+        finally:
+            cancelled.set()  # the client stopped reading: end the loop, free the caches
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self, valid: ValidRequest, request_id: str, deadline: float | None,
+            is_cancelled: Callable[[], bool],
+            on_event: Callable[[RoundEvent], None] | None = None) -> GenerationResult:
+        session_id = uuid.uuid4().hex  # never the client's request_id: caches are per run
+        endpoints = self.endpoints.for_session(session_id)
+        log.debug("request %r: session %s on target %s, draft %s", request_id, session_id,
+                  endpoints.target, endpoints.draft)
+        relay = ProbsRelay()
+        drafter = None
+        if endpoints.draft and valid.num_draft_tokens > 0:
+            drafter = GrpcDrafter(self.channels.get(endpoints.draft), endpoints.draft,
+                                  vocab_size=self.target.vocab_size,
+                                  timeout_s=self.settings.draft_timeout_s, deadline=deadline,
+                                  relay=relay)
+        verifier = GrpcVerifier(self.channels.get(endpoints.target), endpoints.target,
+                                call_timeout_s=self.settings.target_timeout_s,
+                                deadline=deadline, relay=relay)
+        config = GenerateConfig(max_new_tokens=valid.max_new_tokens, sampling=valid.sampling,
+                                num_draft_tokens=valid.num_draft_tokens,
+                                eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
+                                session_id=session_id)
+
+        def on_round(event: RoundEvent) -> None:
+            if is_cancelled():
+                raise Cancelled()
+            if on_event is not None:
+                on_event(event)
+
+        backoff = policies.DraftBackoff(self.settings.draft_backoff_initial_s,
+                                        self.settings.draft_backoff_max_s)
+        return generate(drafter, verifier, valid.prompt_ids, config,
+                        policy=make_policy(valid.num_draft_tokens, valid.adaptive),
+                        decode=self.decode, on_round=on_round, backoff=backoff)
+
+    @staticmethod
+    def _fill_stats(out: coordinator_pb2.GenerationStats, result: GenerationResult,
+                    prompt_tokens: int) -> None:
+        stats = result.stats
+        out.rounds = stats.rounds
+        out.num_drafts = stats.num_drafts
+        out.draft_tokens = stats.draft_tokens
+        out.accepted_tokens = stats.accepted_tokens
+        out.acceptance_rate = stats.acceptance_rate
+        out.mean_accepted_length = stats.mean_accepted_length
+        out.accepted_per_position.extend(stats.accepted_per_position)
+        out.prompt_tokens = prompt_tokens
+        out.completion_tokens = len(result.token_ids)
+        out.total_seconds = stats.total_s
+        out.first_token_seconds = stats.first_token_s
+        out.draft_seconds = stats.draft_s
+        out.verify_seconds = stats.verify_s
+        out.draft_forward_seconds = stats.draft_forward_s
+        out.verify_forward_seconds = stats.verify_forward_s
+        out.degraded = stats.degraded
+        out.resyncs = stats.resyncs
+        out.wire_bytes = stats.wire_bytes

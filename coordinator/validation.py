@@ -1,0 +1,93 @@
+"""GenerateRequest -> a checked, tokenized request; InvalidRequest names the bad field."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specdec import wire
+from specdec.errors import InvalidRequest
+from specdec.proto.specdec.v1 import coordinator_pb2
+from specdec.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int  # the target's
+    max_context: int  # the target's
+    max_new_tokens: int  # SPECDEC_MAX_NEW_TOKENS_LIMIT
+    max_draft_tokens: int
+    default_draft_tokens: int  # when the request has no `speculation`
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    num_draft_tokens: int
+    adaptive: bool
+    stop: list[str]
+
+
+def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
+             tokenizer: Any | None) -> ValidRequest:
+    has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
+    if not has_text and not has_ids:
+        raise InvalidRequest("prompt or prompt_token_ids is required (both are empty)")
+    if has_text and has_ids:
+        raise InvalidRequest("give either prompt or prompt_token_ids, not both")
+    if request.chat and not has_text:
+        raise InvalidRequest("chat applies the chat template to `prompt`; it cannot be used "
+                             "with prompt_token_ids")
+    if not 0 < request.max_new_tokens <= limits.max_new_tokens:
+        raise InvalidRequest(f"max_new_tokens must be in [1, {limits.max_new_tokens}] "
+                             f"(SPECDEC_MAX_NEW_TOKENS_LIMIT), got {request.max_new_tokens}")
+    sampling = (wire.sampling_from_proto(request.sampling) if request.HasField("sampling")
+                else SamplingParams())
+    num_draft_tokens, adaptive = limits.default_draft_tokens, False
+    if request.HasField("speculation"):
+        num_draft_tokens = request.speculation.num_draft_tokens
+        adaptive = request.speculation.adaptive
+        if not 0 <= num_draft_tokens <= limits.max_draft_tokens:
+            raise InvalidRequest(f"speculation.num_draft_tokens must be in "
+                                 f"[0, {limits.max_draft_tokens}], got {num_draft_tokens}")
+    stop = list(request.stop)
+    for index, text in enumerate(stop):
+        if not text:
+            raise InvalidRequest(f"stop[{index}] is empty")
+    if (stop or has_text) and tokenizer is None:
+        field = "prompt" if has_text else "stop"
+        raise InvalidRequest(f"{field} needs a tokenizer and this coordinator's target has "
+                             "none; send prompt_token_ids and no stop strings")
+    field = "prompt" if has_text else "prompt_token_ids"
+    prompt_ids = (tokenize(tokenizer, request.prompt, request.chat) if has_text
+                  else list(request.prompt_token_ids))
+    if has_text and not prompt_ids:
+        raise InvalidRequest("prompt tokenizes to no tokens")
+    wire.check_token_ids(prompt_ids, limits.vocab_size, field)
+    if len(prompt_ids) >= limits.max_context:
+        raise InvalidRequest(f"{field} is {len(prompt_ids)} tokens long; the target's context "
+                             f"is {limits.max_context} tokens")
+    if len(prompt_ids) + request.max_new_tokens > limits.max_context:
+        raise InvalidRequest(
+            f"max_new_tokens {request.max_new_tokens} after a prompt of {len(prompt_ids)} "
+            f"tokens exceeds the target's context of {limits.max_context}; at most "
+            f"{limits.max_context - len(prompt_ids)}")
+    return ValidRequest(prompt_ids, request.max_new_tokens, sampling, num_draft_tokens,
+                        adaptive, stop)
+
+
+def tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=False)
+    # Special tokens come from the template (SmolLM2 adds no BOS of its own).
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def decoder(tokenizer: Any | None) -> Callable[[list[int]], str] | None:
+    if tokenizer is None:
+        return None
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,29 @@
+"""Build the draft server from `specdec serve draft` flags."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import grpc
+
+from draft_service.servicer import DraftServicer
+from specdec.config import apply_torch_settings
+from specdec.grpc_server import ServerHandle, build_server
+from specdec.model_service import load_runner, model_info
+
+
+def create(args: argparse.Namespace,
+           interceptors: Sequence[grpc.ServerInterceptor] = ()) -> ServerHandle:
+    device, dtype = apply_torch_settings(args)
+    # The draft maps its rows onto the target's vocabulary, so it needs its size.
+    vocab = model_info(args.target_model).vocab_size
+    runner = load_runner(args.draft_model, device=device, dtype=dtype,
+                         target_vocab_size=vocab, kv_budget_mb=args.kv_budget_mb)
+    servicer = DraftServicer(runner, session_ttl_s=args.session_ttl_s,
+                             max_draft_tokens=args.max_draft_tokens)
+    handle = build_server([servicer.service()], host=args.host, port=args.port,
+                          max_workers=args.max_workers, interceptors=interceptors)
+    servicer.sessions.start_reaper()
+    handle.on_stop.append(servicer.sessions.close)
+    return handle

@@ -1,0 +1,52 @@
+"""Draft.Propose / Draft.Release: parse, validate, run specdec.steps.draft_step, encode q."""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec import wire
+from specdec.errors import InvalidRequest
+from specdec.grpc_server import Service
+from specdec.grpc_status import rpc_errors
+from specdec.model_service import SessionTable
+from specdec.proto.specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.runner import ModelRunner
+from specdec.steps import draft_step
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
+                 max_draft_tokens: int = 64) -> None:
+        self.runner = runner
+        self.sessions = SessionTable(runner, session_ttl_s)
+        self.max_draft_tokens = max_draft_tokens
+
+    def service(self) -> Service:
+        return Service(SERVICE_NAME, lambda s: draft_pb2_grpc.add_DraftServicer_to_server(self, s))
+
+    @rpc_errors
+    def Propose(self, request: draft_pb2.ProposeRequest,
+                context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
+        params = wire.sampling_from_proto(request.sampling)
+        if not params.greedy and params.seed is None:
+            raise InvalidRequest("sampling.seed is required: the caller fixes it once per "
+                                 "request so draft and target draw from one stream")
+        sync = wire.sync_from_proto(request.sync, self.runner.vocab.target_vocab_size)
+        if not 1 <= request.num_tokens <= self.max_draft_tokens:
+            raise InvalidRequest(f"num_tokens must be in [1, {self.max_draft_tokens}], "
+                                 f"got {request.num_tokens}")
+        out = self.sessions.call(sync.session_id, lambda: draft_step(
+            self.runner, sync, request.num_tokens, params))
+        response = draft_pb2.ProposeResponse(tokens=out.tokens, kv_length=out.kv_length,
+                                             forward_seconds=out.forward_s)
+        if out.probs is not None:
+            # Rows are over the draft's own columns; the token map (if any) names them.
+            response.probs.CopyFrom(wire.encode_probs(out.probs, self.runner.vocab.token_map))
+        return response
+
+    @rpc_errors
+    def Release(self, request: draft_pb2.DraftReleaseRequest,
+                context: grpc.ServicerContext) -> draft_pb2.DraftReleaseResponse:
+        return draft_pb2.DraftReleaseResponse(released=self.sessions.release(request.session_id))

@@ -1,0 +1,62 @@
+"""`specdec serve draft|target|coordinator`: one service in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from specdec.config import add_model_settings, add_setting
+
+ROLES = ("coordinator", "draft", "target")
+DEFAULT_PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
+DEFAULT_HOST = "127.0.0.1"
+
+
+def add_service_settings(parser: argparse.ArgumentParser) -> None:
+    """Settings every role accepts, so `specdec up` can pass one set to all three."""
+    add_model_settings(parser)
+    add_setting(parser, "--session-ttl-s", 600.0,
+                "release a session's KV cache after this long without calls", type=float)
+    add_setting(parser, "--max-workers", 32, "gRPC server threads", type=int)
+    add_setting(parser, "--max-draft-tokens", 16,
+                "most tokens drafted per round (a request asking more is rejected)", type=int)
+    add_setting(parser, "--num-draft-tokens", 4,
+                "draft length when a request does not set speculation", type=int)
+    add_setting(parser, "--max-new-tokens-limit", 2048,
+                "largest max_new_tokens a request may ask for", type=int)
+    add_setting(parser, "--draft-timeout-ms", 5000.0,
+                "per-call deadline of Propose; a slower draft is skipped (target-only, "
+                "still exact) and retried with backoff", type=float)
+    add_setting(parser, "--target-timeout-s", 30.0,
+                "how long one Verify may wait for an unavailable target, retries included",
+                type=float)
+    add_setting(parser, "--grace-s", 5.0, "graceful-stop period for in-flight calls",
+                type=float)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run one service in the foreground")
+    parser.add_argument("role", choices=ROLES, help="which service")
+    add_setting(parser, "--host", DEFAULT_HOST, "interface to listen on")
+    add_setting(parser, "--port", 0,
+                "port (0 = the role's default: coordinator 50051, draft 50052, target 50053)",
+                type=int)
+    add_setting(parser, "--draft-endpoint", f"127.0.0.1:{DEFAULT_PORTS['draft']}",
+                "coordinator: the draft service ('none' = no draft, target-only)")
+    add_setting(parser, "--target-endpoint", f"127.0.0.1:{DEFAULT_PORTS['target']}",
+                "coordinator: the target service")
+    add_service_settings(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.grpc_server import serve_until_signal
+
+    if not args.port:
+        args.port = DEFAULT_PORTS[args.role]
+    module = {"draft": "draft_service.server", "target": "target_service.server",
+              "coordinator": "coordinator.server"}[args.role]
+    handle = importlib.import_module(module).create(args)
+    print(f"{args.role} serving on {handle.address}", flush=True)
+    serve_until_signal(handle, args.grace_s)
+    return 0

@@ -1,0 +1,123 @@
+"""What the draft and target services share: model loading and session bookkeeping.
+
+`SessionTable` serialises calls of one session (a client that timed out may retry while
+its first call still runs; interleaved extends would scramble the cache) and expires
+sessions nobody released: a coordinator that crashed mid-generation must not pin KV
+memory forever. ModelRunner itself only knows LRU eviction under its byte budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from specdec.models import load_causal_lm, resolve
+from specdec.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SessionTable:
+    def __init__(self, runner: ModelRunner, ttl_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runner = runner
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._last_used: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def call(self, session_id: str, work: Callable[[], T]) -> T:
+        with self._guard:
+            lock = self._locks.setdefault(session_id, threading.Lock())
+            self._last_used[session_id] = self._clock()
+        with lock:
+            try:
+                return work()
+            finally:
+                with self._guard:
+                    if session_id in self._locks:
+                        self._last_used[session_id] = self._clock()
+
+    def release(self, session_id: str) -> bool:
+        with self._guard:
+            self._locks.pop(session_id, None)
+            self._last_used.pop(session_id, None)
+        return self.runner.release(session_id)
+
+    def expire_idle(self) -> list[str]:
+        """Release sessions idle longer than the TTL; a session mid-call is never idle."""
+        now = self._clock()
+        expired = []
+        with self._guard:
+            for session_id, last in list(self._last_used.items()):
+                lock = self._locks[session_id]
+                if now - last > self.ttl_s and lock.acquire(blocking=False):
+                    try:
+                        del self._locks[session_id], self._last_used[session_id]
+                        self.runner.release(session_id)
+                        expired.append(session_id)
+                    finally:
+                        lock.release()
+        if expired:
+            log.info("released %d idle sessions (TTL %.0f s)", len(expired), self.ttl_s)
+        return expired
+
+    def start_reaper(self) -> None:
+        interval = max(0.05, min(self.ttl_s / 4, 30.0))
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                self.expire_idle()
+
+        self._thread = threading.Thread(target=run, name="session-ttl", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a coordinator (and a draft) must know about the target without its weights."""
+
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+
+
+def model_info(name_or_path: str) -> ModelInfo:
+    from transformers import AutoConfig, GenerationConfig
+
+    source = resolve(name_or_path, progress=False)
+    config = AutoConfig.from_pretrained(source)
+    eos = getattr(config, "eos_token_id", None)
+    # generation_config.json is where chat models record their end-of-turn token.
+    with contextlib.suppress(OSError):
+        generation_eos = GenerationConfig.from_pretrained(source).eos_token_id
+        eos = eos if generation_eos is None else generation_eos
+    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+    return ModelInfo(int(config.vocab_size),
+                     int(getattr(config, "max_position_embeddings", 2048)),
+                     tuple(int(i) for i in eos_ids))
+
+
+def load_runner(model: str, *, device: torch.device, dtype: torch.dtype,
+                target_vocab_size: int | None = None, kv_budget_mb: int | None = None
+                ) -> ModelRunner:
+    loaded = load_causal_lm(model, device, dtype, progress=False)
+    budget = kv_budget_mb * 1024 * 1024 if kv_budget_mb and kv_budget_mb > 0 else None
+    return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,
+                       token_map=loaded.token_map, kv_budget_bytes=budget)

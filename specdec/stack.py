@@ -1,0 +1,101 @@
+"""Run draft, target and coordinator as child processes on one host (`up`, `demo`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from specdec.grpc_server import wait_healthy
+
+# Stop order: the coordinator first, so no new rounds reach the model services.
+ROLES = ("coordinator", "draft", "target")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    host: str
+    ports: dict[str, int]
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+    _files: list[IO[bytes]] = field(default_factory=list)
+
+    def endpoint(self, role: str) -> str:
+        return f"{self.host}:{self.ports[role]}"
+
+    def dead(self) -> list[str]:
+        return [role for role, proc in self.processes.items() if proc.poll() is not None]
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for role in ("target", "draft", "coordinator"):
+            proc = self.processes[role]
+            ok = wait_healthy(self.endpoint(role), max(0.0, deadline - time.monotonic()),
+                              alive=lambda proc=proc: proc.poll() is None)
+            if not ok:
+                where = f"; log: {self.logs[role]}" if role in self.logs else ""
+                state = ("exited with " + str(proc.returncode)) if proc.poll() is not None \
+                    else f"not healthy after {timeout_s:.0f} s"
+                raise RuntimeError(f"{role} on {self.endpoint(role)} {state}{where}")
+
+    def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM each (graceful stop), then SIGKILL what is left; return exit codes."""
+        for role in ROLES:
+            proc = self.processes.get(role)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        codes: dict[str, int | None] = {}
+        for role, proc in self.processes.items():
+            try:
+                codes[role] = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[role] = proc.wait()
+        for handle in self._files:
+            handle.close()
+        return codes
+
+
+def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
+                service_args: Sequence[str] = (), log_dir: Path | None = None,
+                env: dict[str, str] | None = None) -> Stack:
+    """Start the three `specdec serve` processes; call wait_healthy() next.
+
+    Children get their own session, so a Ctrl-C in the terminal reaches only the parent,
+    which then stops them in order.
+    """
+    ports = dict(ports or {})
+    for role in ROLES:
+        ports[role] = ports.get(role) or free_port(host)
+    stack = Stack(host, ports)
+    child_env = {**os.environ, **(env or {})}
+    for role in ("target", "draft", "coordinator"):
+        command = [sys.executable, "-m", "specdec.cli", "serve", role, "--host", host,
+                   "--port", str(ports[role]), *service_args]
+        if role == "coordinator":
+            command += ["--draft-endpoint", stack.endpoint("draft"),
+                        "--target-endpoint", stack.endpoint("target")]
+        output: IO[bytes] | None = None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            stack.logs[role] = log_dir / f"{role}.log"
+            output = open(stack.logs[role], "wb")  # noqa: SIM115 - closed by stop()
+            stack._files.append(output)
+        stack.processes[role] = subprocess.Popen(
+            command, env=child_env, stdout=output, stderr=subprocess.STDOUT if output else None,
+            start_new_session=True)
+    return stack

@@ -1,0 +1,60 @@
+"""Target.Verify / Target.Release: parse, validate, run specdec.steps.verify_step."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from specdec import wire
+from specdec.errors import InvalidRequest
+from specdec.grpc_server import Service
+from specdec.grpc_status import rpc_errors
+from specdec.model_service import SessionTable
+from specdec.proto.specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.runner import ModelRunner
+from specdec.steps import verify_step
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
+
+
+class TargetServicer(target_pb2_grpc.TargetServicer):
+    def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
+                 max_draft_tokens: int = 64) -> None:
+        self.runner = runner
+        self.sessions = SessionTable(runner, session_ttl_s)
+        self.max_draft_tokens = max_draft_tokens
+
+    def service(self) -> Service:
+        return Service(SERVICE_NAME,
+                       lambda s: target_pb2_grpc.add_TargetServicer_to_server(self, s))
+
+    @rpc_errors
+    def Verify(self, request: target_pb2.VerifyRequest,
+               context: grpc.ServicerContext) -> target_pb2.VerifyResponse:
+        params = wire.sampling_from_proto(request.sampling)
+        if not params.greedy and params.seed is None:
+            raise InvalidRequest("sampling.seed is required: the caller fixes it once per "
+                                 "request so draft and target draw from one stream")
+        vocab = self.runner.vocab.target_vocab_size
+        sync = wire.sync_from_proto(request.sync, vocab)
+        draft_tokens = list(request.draft_tokens)
+        if len(draft_tokens) > self.max_draft_tokens:
+            raise InvalidRequest(f"draft_tokens holds {len(draft_tokens)} tokens, more than "
+                                 f"{self.max_draft_tokens}")
+        wire.check_token_ids(draft_tokens, vocab, "draft_tokens")
+        probs = None
+        if draft_tokens and not params.greedy:
+            probs = wire.decode_probs(request.draft_probs, len(draft_tokens), vocab)
+            drawn = probs[torch.arange(len(draft_tokens)), torch.tensor(draft_tokens)]
+            if bool((drawn <= 0).any()):  # a token cannot come from a row that excludes it
+                raise InvalidRequest("draft_probs gives probability 0 to a draft token")
+        out = self.sessions.call(sync.session_id, lambda: verify_step(
+            self.runner, sync, draft_tokens, probs, params))
+        return target_pb2.VerifyResponse(
+            accepted_len=out.verdict.accepted_len, next_token=out.verdict.next_token,
+            kv_length=out.kv_length, forward_seconds=out.forward_s)
+
+    @rpc_errors
+    def Release(self, request: target_pb2.TargetReleaseRequest,
+                context: grpc.ServicerContext) -> target_pb2.TargetReleaseResponse:
+        return target_pb2.TargetReleaseResponse(released=self.sessions.release(request.session_id))

@@ -1,0 +1,86 @@
+"""Real gRPC servers on loopback, in this process, over given models (tests only)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from coordinator.clients import ChannelPool
+from coordinator.endpoints import StaticEndpoints
+from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
+from draft_service.servicer import DraftServicer
+from specdec.grpc_server import ServerHandle, build_server
+from specdec.model_service import ModelInfo
+from specdec.proto.specdec.v1 import coordinator_pb2_grpc
+from specdec.runner import ModelRunner
+from target_service.servicer import TargetServicer
+
+
+def target_info(model: torch.nn.Module, eos: Sequence[int] = ()) -> ModelInfo:
+    config = model.config
+    return ModelInfo(int(config.vocab_size), int(config.max_position_embeddings), tuple(eos))
+
+
+@dataclass
+class Services:
+    """Draft, target and coordinator servers; restart_* replace one with a fresh cache."""
+
+    draft_model: torch.nn.Module | None
+    target_model: torch.nn.Module
+    settings: CoordinatorSettings = field(default_factory=CoordinatorSettings)
+    tokenizer: object | None = None
+    eos: Sequence[int] = ()
+    session_ttl_s: float = 600.0
+    interceptors: Sequence[grpc.ServerInterceptor] = ()
+
+    def __post_init__(self) -> None:
+        self.draft: DraftServicer | None = None
+        self.draft_server: ServerHandle | None = None
+        self.draft_port = 0
+        self.target_port = 0
+        self.start_target()
+        if self.draft_model is not None:
+            self.start_draft()
+        self.channels = ChannelPool()
+        draft_endpoint = f"127.0.0.1:{self.draft_port}" if self.draft_model is not None else None
+        self.coordinator = CoordinatorServicer(
+            target_info(self.target_model, self.eos),
+            StaticEndpoints(f"127.0.0.1:{self.target_port}", draft_endpoint),
+            settings=self.settings, tokenizer=self.tokenizer, channels=self.channels)
+        self.coordinator_server = build_server([self.coordinator.service()])
+        self.channel = grpc.insecure_channel(self.coordinator_server.address)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    def start_target(self) -> None:
+        self.target = TargetServicer(ModelRunner(self.target_model),
+                                     session_ttl_s=self.session_ttl_s)
+        self.target_server = build_server([self.target.service()], port=self.target_port,
+                                          interceptors=self.interceptors)
+        self.target_port = self.target_server.port
+
+    def start_draft(self) -> None:
+        assert self.draft_model is not None
+        vocab = int(self.target_model.config.vocab_size)
+        self.draft = DraftServicer(ModelRunner(self.draft_model, target_vocab_size=vocab),
+                                   session_ttl_s=self.session_ttl_s)
+        self.draft_server = build_server([self.draft.service()], port=self.draft_port,
+                                         interceptors=self.interceptors)
+        self.draft_port = self.draft_server.port
+
+    def stop_draft(self) -> None:
+        assert self.draft_server is not None
+        self.draft_server.stop(0)
+
+    def stop_target(self) -> None:
+        self.target_server.stop(0)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.coordinator_server.stop(0)
+        self.channels.close()
+        self.target_server.stop(0)
+        if self.draft_server is not None:
+            self.draft_server.stop(0)
