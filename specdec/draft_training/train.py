@@ -1,0 +1,172 @@
+"""Distil a small Llama draft from the target's top-k distributions.
+
+The draft starts as the target's first layers with the target's own embeddings, restricted
+to the tokens the target actually emits (a reduced vocabulary plus one UNK input row), and
+learns to match the target's distribution with a KL loss. Checkpoints every few minutes;
+`train(...)` resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+Record = dict[str, torch.Tensor]
+
+
+def load_records(data_dir: Path) -> list[Record]:
+    records: list[Record] = []
+    for path in sorted(data_dir.glob("shard-*.pt")):
+        records.extend(torch.load(path)["records"])
+    if not records:
+        raise FileNotFoundError(f"no distillation shards in {data_dir}; run datagen first")
+    return records
+
+
+def build_token_map(records: list[Record], size: int, always: list[int]) -> list[int]:
+    """Target ids the draft can propose: the most probable mass in the target's outputs."""
+    mass: Counter[int] = Counter()
+    for record in records:
+        for ids, probs in zip(record["topk_ids"].tolist(), record["topk_probs"].float().tolist(),
+                              strict=True):
+            for token, prob in zip(ids, probs, strict=True):
+                mass[token] += prob
+        for token in record["prompt_ids"].tolist():  # so prompts lose little as inputs
+            mass[token] += 0.1
+    chosen = [token for token in always if token not in mass] + [t for t, _ in mass.most_common()]
+    return sorted(set(chosen[:size]) | set(always))
+
+
+def make_draft(target_dir: str, token_map: list[int], num_layers: int) -> LlamaForCausalLM:
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    base = target.config
+    config = LlamaConfig(
+        vocab_size=len(token_map) + 1, hidden_size=base.hidden_size,
+        intermediate_size=base.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=base.num_attention_heads,
+        num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
+        max_position_embeddings=base.max_position_embeddings, rms_norm_eps=base.rms_norm_eps,
+        rope_parameters=base.rope_parameters, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    draft = LlamaForCausalLM(config)
+    with torch.no_grad():
+        rows = torch.tensor(token_map)
+        embed = target.model.embed_tokens.weight
+        draft.model.embed_tokens.weight[: len(token_map)] = embed[rows]
+        draft.model.embed_tokens.weight[len(token_map)] = embed.mean(0)  # UNK input row
+        for index in range(num_layers):
+            draft.model.layers[index].load_state_dict(target.model.layers[index].state_dict())
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    draft.tie_weights()
+    return draft
+
+
+def _batches(records: list[Record], batch_size: int, rng: random.Random) -> list[list[Record]]:
+    order = sorted(records, key=lambda r: len(r["prompt_ids"]) + len(r["new_ids"]))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _loss(draft: LlamaForCausalLM, batch: list[Record], input_map: torch.Tensor,
+          unk_row: int) -> torch.Tensor:
+    sequences = [torch.cat([r["prompt_ids"], r["new_ids"]]).long() for r in batch]
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(batch), width), unk_row, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = input_map[seq]
+        mask[row, : len(seq)] = 1
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    rows, cols, target_rows, target_probs = [], [], [], []
+    for row, record in enumerate(batch):
+        start = len(record["prompt_ids"]) - 1
+        length = len(record["new_ids"])
+        rows.append(torch.full((length,), row))
+        cols.append(torch.arange(start, start + length))
+        target_rows.append(input_map[record["topk_ids"].long()])
+        target_probs.append(record["topk_probs"].float())
+    picked = hidden[torch.cat(rows), torch.cat(cols)]
+    logits = draft.lm_head(picked)[:, :unk_row]  # the UNK row is never proposed
+    log_q = torch.log_softmax(logits, dim=-1)
+    topk_rows = torch.cat(target_rows)
+    probs = torch.cat(target_probs) * (topk_rows != unk_row)  # mass outside the map is lost
+    log_q_at = log_q.gather(1, topk_rows.clamp_max(unk_row - 1))
+    return -(probs * log_q_at).sum(1).mean()
+
+
+def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
+          vocab_size: int = 8192, num_layers: int = 2, epochs: float = 2.0,
+          batch_size: int = 16, lr: float = 5e-4, checkpoint_every_s: float = 300.0,
+          eos_ids: tuple[int, ...] = (1, 2)) -> dict[str, float]:
+    started = time.monotonic()
+    records = load_records(data_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = work_dir / "checkpoint.pt"
+    map_path = work_dir / "token_map.json"
+    if map_path.exists():
+        token_map = json.loads(map_path.read_text())["target_ids"]
+    else:
+        token_map = build_token_map(records, vocab_size, list(eos_ids))
+        map_path.write_text(json.dumps({"target_ids": token_map}))
+    unk_row = len(token_map)
+    input_map = torch.full((49152 if max(token_map) < 49152 else max(token_map) + 1,), unk_row)
+    input_map[torch.tensor(token_map)] = torch.arange(unk_row)
+    draft = make_draft(target_dir, token_map, num_layers)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(0)
+    steps_per_epoch = math.ceil(len(records) / batch_size)
+    total_steps = int(steps_per_epoch * epochs)
+    step = 0
+    if checkpoint.exists():
+        state = torch.load(checkpoint)
+        draft.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    schedule = [b for _ in range(math.ceil(epochs) + 1) for b in _batches(records, batch_size, rng)]
+    draft.train()
+    last_save = time.monotonic()
+    recent: list[float] = []
+    columns = (TextColumn("training draft"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("loss {task.fields[loss]:.3f}"))
+    with Progress(*columns) as bar:
+        task = bar.add_task("steps", total=total_steps, completed=step, loss=float("nan"))
+        while step < total_steps:
+            warmup = min(1.0, (step + 1) / 50)
+            decay = 0.5 * (1 + math.cos(math.pi * step / total_steps))
+            for group in optimizer.param_groups:
+                group["lr"] = lr * warmup * (0.1 + 0.9 * decay)
+            loss = _loss(draft, schedule[step], input_map, unk_row)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            recent = (recent + [float(loss)])[-50:]
+            bar.update(task, completed=step, loss=sum(recent) / len(recent))
+            if time.monotonic() - last_save > checkpoint_every_s or step == total_steps:
+                tmp = checkpoint.with_suffix(".tmp")
+                torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                            "step": step}, tmp)
+                tmp.rename(checkpoint)
+                last_save = time.monotonic()
+                print(f"step {step}/{total_steps} loss {sum(recent) / len(recent):.4f}", flush=True)
+    draft.eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    draft.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    tokens = sum(len(r["new_ids"]) for r in records)
+    summary = {"sequences": len(records), "tokens": tokens, "steps": total_steps,
+               "final_loss": sum(recent) / max(1, len(recent)),
+               "train_s": time.monotonic() - started,
+               "parameters": sum(p.numel() for p in draft.parameters())}
+    (work_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
