@@ -88,18 +88,17 @@ class ModelRunner:
         if self.kv_budget_bytes is None:
             return
         current = self._sessions.get(keep)
-        per_token = self._bytes_per_token()
-        needed = incoming_tokens * per_token
+        held = current.kv_bytes() if current else 0
+        needed = incoming_tokens * self._bytes_per_token()
+        if held + needed > self.kv_budget_bytes:
+            # Evicting others cannot help, so refuse before touching anyone's cache.
+            raise KVBudgetExhausted(
+                f"KV cache budget of {self.kv_budget_bytes} bytes cannot hold this session "
+                f"({held} bytes held + {needed} bytes for {incoming_tokens} new tokens); "
+                "raise SPECDEC_KV_BUDGET_MB or shorten the request")
         while self.total_kv_bytes() + needed > self.kv_budget_bytes:
-            victims = [sid for sid in self._sessions if sid != keep]
-            if not victims:
-                held = current.kv_bytes() if current else 0
-                raise KVBudgetExhausted(
-                    f"KV cache budget of {self.kv_budget_bytes} bytes cannot hold this session "
-                    f"({held} bytes held + {needed} bytes for {incoming_tokens} new tokens) and "
-                    "no other session is left to evict; raise SPECDEC_KV_BUDGET_MB or shorten "
-                    "the request")
-            del self._sessions[victims[0]]  # least recently used first
+            victim = next(sid for sid in self._sessions if sid != keep)  # least recently used
+            del self._sessions[victim]
 
     def _bytes_per_token(self) -> int:
         config = self.model.config
@@ -182,6 +181,6 @@ class ModelRunner:
             session.cache = DynamicCache(config=self.model.config)
         start = len(session.history)
         positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, past_key_values=session.cache, position_ids=positions,
+        out = self.model(input_ids=ids, cache=session.cache, position_ids=positions,
                          use_cache=True)
         return self.vocab.restrict(out.logits[0]).float()
