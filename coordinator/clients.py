@@ -122,6 +122,18 @@ def _describe(error: grpc.RpcError) -> str:
     return f"{_code(error).name}: {details}"
 
 
+def _release(call: grpc.Future, session_id: str, endpoint: str) -> None:
+    """Release without waiting: the response is not needed to answer the client, and a
+    lost release is covered by the service's session TTL."""
+
+    def done(future: grpc.Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.debug("release of %s on %s failed: %s", session_id, endpoint,
+                      future.exception())
+
+    call.add_done_callback(done)
+
+
 class GrpcDrafter:
     """`timeout_s` bounds each Propose; `deadline` is the request's monotonic deadline."""
 
@@ -184,12 +196,9 @@ class GrpcDrafter:
         self._mirrors.pop(session_id, None)
         if self.relay is not None:
             self.relay.drop(session_id)
-        try:
-            self.stub.Release(draft_pb2.DraftReleaseRequest(session_id=session_id),
-                              timeout=RELEASE_TIMEOUT_S)
-        except grpc.RpcError as error:
-            # The TTL on the draft frees the cache anyway.
-            log.debug("release of %s on %s failed: %s", session_id, self.endpoint, error)
+        _release(self.stub.Release.future(
+            draft_pb2.DraftReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
+            session_id, self.endpoint)
 
 
 class GrpcVerifier:
@@ -260,9 +269,6 @@ class GrpcVerifier:
 
     def release(self, session_id: str) -> None:
         self._mirrors.pop(session_id, None)
-        try:
-            self.stub.Release(target_pb2.TargetReleaseRequest(session_id=session_id),
-                              timeout=RELEASE_TIMEOUT_S)
-        except grpc.RpcError as error:
-            # The TTL on the target frees the cache anyway.
-            log.debug("release of %s on %s failed: %s", session_id, self.endpoint, error)
+        _release(self.stub.Release.future(
+            target_pb2.TargetReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
+            session_id, self.endpoint)

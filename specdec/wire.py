@@ -9,8 +9,6 @@ rejected with InvalidRequest naming the field.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -35,7 +33,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 def sampling_from_proto(message: common_pb2.SamplingParams,
                         field: str = "sampling") -> SamplingParams:
     """Validated SamplingParams; top_p 0 means off, like 1."""
-    top_p = message.top_p if message.top_p > 0 or math.isnan(message.top_p) else 1.0
+    top_p = 1.0 if message.top_p == 0 else message.top_p  # proto default 0 = off
     params = SamplingParams(temperature=message.temperature, top_k=message.top_k,
                             top_p=top_p, min_p=message.min_p,
                             seed=message.seed if message.HasField("seed") else None)

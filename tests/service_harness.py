@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -34,7 +36,9 @@ class Services:
     tokenizer: object | None = None
     eos: Sequence[int] = ()
     session_ttl_s: float = 600.0
-    interceptors: Sequence[grpc.ServerInterceptor] = ()
+    draft_interceptors: Sequence[grpc.ServerInterceptor] = ()
+    target_interceptors: Sequence[grpc.ServerInterceptor] = ()
+    target_kv_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.draft: DraftServicer | None = None
@@ -55,10 +59,10 @@ class Services:
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 
     def start_target(self) -> None:
-        self.target = TargetServicer(ModelRunner(self.target_model),
-                                     session_ttl_s=self.session_ttl_s)
+        runner = ModelRunner(self.target_model, kv_budget_bytes=self.target_kv_budget_bytes)
+        self.target = TargetServicer(runner, session_ttl_s=self.session_ttl_s)
         self.target_server = build_server([self.target.service()], port=self.target_port,
-                                          interceptors=self.interceptors)
+                                          interceptors=self.target_interceptors)
         self.target_port = self.target_server.port
 
     def start_draft(self) -> None:
@@ -67,8 +71,16 @@ class Services:
         self.draft = DraftServicer(ModelRunner(self.draft_model, target_vocab_size=vocab),
                                    session_ttl_s=self.session_ttl_s)
         self.draft_server = build_server([self.draft.service()], port=self.draft_port,
-                                         interceptors=self.interceptors)
+                                         interceptors=self.draft_interceptors)
         self.draft_port = self.draft_server.port
+
+    @property
+    def draft_endpoint(self) -> str:
+        return f"127.0.0.1:{self.draft_port}"
+
+    @property
+    def target_endpoint(self) -> str:
+        return f"127.0.0.1:{self.target_port}"
 
     def stop_draft(self) -> None:
         assert self.draft_server is not None
@@ -84,3 +96,25 @@ class Services:
         self.target_server.stop(0)
         if self.draft_server is not None:
             self.draft_server.stop(0)
+
+
+class DelayInterceptor(grpc.ServerInterceptor):
+    """Sleeps before every call of one method: a slow service."""
+
+    def __init__(self, method: str, delay_s: float) -> None:
+        self.method = method
+        self.delay_s = delay_s
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or not details.method.endswith("/" + self.method):
+            return handler
+        inner = handler.unary_unary
+
+        def delayed(request: Any, context: Any) -> Any:
+            time.sleep(self.delay_s)
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            delayed, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
