@@ -28,7 +28,8 @@ def add_setting(parser: argparse.ArgumentParser, flag: str, default: Any, help: 
                         help=f"{help} (env {env_name(flag)}; default: {default})", **kwargs)
 
 
-def add_model_settings(parser: argparse.ArgumentParser, roles: tuple[str, ...] = ("target", "draft")) -> None:
+def add_model_settings(parser: argparse.ArgumentParser,
+                       roles: tuple[str, ...] = ("target", "draft")) -> None:
     if "target" in roles:
         add_setting(parser, "--target-model", DEFAULT_TARGET,
                     "target model: the embedded SmolLM2-135M-Instruct, or any HF path or id")
@@ -37,7 +38,8 @@ def add_model_settings(parser: argparse.ArgumentParser, roles: tuple[str, ...] =
                     "draft model: the embedded trained draft, or any HF path or id")
     add_setting(parser, "--device", "cpu", "torch device: cpu, cuda, cuda:N or auto")
     add_setting(parser, "--dtype", "float32", "model dtype: float32, bfloat16 or float16")
-    add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)", type=int)
+    add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
+                type=int)
     add_setting(parser, "--kv-budget-mb", 2048, "KV cache memory budget per model (MiB)", type=int)
 
 

@@ -8,6 +8,7 @@ in sync however rounds end. The same loop runs in tests, benchmarks and the coor
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -157,10 +158,10 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
     finally:
         for service in (drafter, verifier):
             if service is not None:
-                try:
+                # Best effort: a service that is down has lost the cache anyway, and the
+                # services also drop idle sessions after a TTL.
+                with contextlib.suppress(Exception):
                     service.release(session_id)
-                except Exception:  # noqa: BLE001 - release is best effort; caches also expire
-                    pass
     stats.total_s = time.perf_counter() - started
     text = stop_text if stop_text is not None else (decode(output) if decode else None)
     return GenerationResult(output, finish_reason, stats, text)

@@ -103,7 +103,8 @@ class ModelRunner:
     def _bytes_per_token(self) -> int:
         config = self.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
         dtype_bytes = next(self.model.parameters()).element_size()
         return 2 * int(config.num_hidden_layers) * int(heads) * int(head_dim) * dtype_bytes
 

@@ -46,7 +46,8 @@ class SamplingParams:
             if not math.isfinite(value):
                 raise ValueError(f"sampling.{name} must be a finite number, got {value}")
         if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise ValueError(
+                f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:

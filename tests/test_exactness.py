@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from exact_law import chi_square_pvalue, target_law
+from tiny_models import tiny_llama
+
 from specdec.history import TokenHistory
 from specdec.interfaces import Proposal
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, generate
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
-from tiny_models import tiny_llama
 
 VOCAB = 8
 PROMPT = [1, 5, 2]

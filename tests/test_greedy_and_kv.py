@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_gpt2, tiny_llama
 from transformers import DynamicCache
 
 from specdec.errors import CacheSyncError, KVBudgetExhausted
@@ -12,7 +13,6 @@ from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, generate
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
-from tiny_models import tiny_gpt2, tiny_llama
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -59,7 +59,8 @@ def test_draft_with_padding_rows_never_proposes_them() -> None:
     with torch.no_grad():  # make the padding rows the most likely ones
         draft.lm_head.weight[64:] = draft.lm_head.weight[:16] * 50
     drafter = LocalDrafter(ModelRunner(draft, target_vocab_size=64))
-    proposal = drafter.propose("s", TokenHistory(PROMPT), 6, SamplingParams(temperature=1.0, seed=1))
+    params = SamplingParams(temperature=1.0, seed=1)
+    proposal = drafter.propose("s", TokenHistory(PROMPT), 6, params)
     assert all(token < 64 for token in proposal.tokens)
     assert proposal.probs is not None and proposal.probs.shape[1] == 64
     result = generate(drafter, LocalVerifier(ModelRunner(target)), PROMPT,

@@ -39,7 +39,8 @@ PLACES = [
 CODE_TASKS = [
     "reverses a string", "checks whether a number is prime", "returns the largest item in a list",
     "counts the vowels in a word", "computes the factorial of n", "sums the even numbers in a list",
-    "converts Celsius to Fahrenheit", "removes duplicates from a list", "checks if a word is a palindrome",
+    "converts Celsius to Fahrenheit", "removes duplicates from a list",
+    "checks if a word is a palindrome",
     "returns the n-th Fibonacci number", "sorts a list of names", "counts words in a sentence",
     "merges two dictionaries", "finds the average of a list", "reads a file and prints each line",
     "capitalizes every word in a sentence", "returns the square of each number in a list",

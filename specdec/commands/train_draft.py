@@ -1,0 +1,78 @@
+"""`specdec train-draft`: the resumable pipeline behind the embedded default draft.
+
+Stages: data (target continuations + top-k distributions, sharded), train (distillation,
+checkpointed), eval (held-out acceptance and costs), card (model card from the figures).
+Each stage resumes from what the previous run left in --work-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specdec import models
+from specdec.config import add_setting
+
+STAGES = ("data", "train", "eval", "card")
+ASSET_DIR = Path(models.__file__).parent / "assets" / "draft"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train-draft", help="build the default draft (resumable)")
+    parser.add_argument("stages", nargs="*", default=list(STAGES), choices=STAGES,
+                        help="stages to run (default: all, in order)")
+    add_setting(parser, "--work-dir", str(models.model_cache_dir().parent / "draft-work"),
+                "data shards, checkpoints and reports (not committed)")
+    add_setting(parser, "--out-dir", str(ASSET_DIR), "where the final draft is written")
+    add_setting(parser, "--data-budget-s", 3600.0, "stop generating data after this long",
+                type=float)
+    add_setting(parser, "--max-shards", 100, "data shards of --batch-size prompts", type=int)
+    add_setting(parser, "--batch-size", 48, "prompts per data shard", type=int)
+    add_setting(parser, "--draft-layers", 2, "transformer layers in the draft", type=int)
+    add_setting(parser, "--draft-vocab", 8192, "reduced vocabulary of the draft head", type=int)
+    add_setting(parser, "--epochs", 3.0, "passes over the data", type=float)
+    add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    work_dir, out_dir = Path(args.work_dir), Path(args.out_dir)
+    target_dir = str(models.prepare_smollm2())
+    if "data" in args.stages:
+        from specdec.draft_training.datagen import generate_shards
+
+        generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
+                        max_shards=args.max_shards, time_budget_s=args.data_budget_s)
+    if "train" in args.stages:
+        from specdec.draft_training.train import train
+
+        summary = train(target_dir, work_dir / "data", work_dir, out_dir,
+                        vocab_size=args.draft_vocab, num_layers=args.draft_layers,
+                        epochs=args.epochs)
+        print(json.dumps(summary, indent=2))
+    if "eval" in args.stages:
+        report = _evaluate(target_dir, out_dir, args.eval_prompts)
+        (work_dir / "eval_report.json").write_text(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2))
+    if "card" in args.stages:
+        from specdec.draft_training.card import write_model_card
+
+        write_model_card(out_dir, work_dir)
+        print(f"model card: {out_dir / 'README.md'}")
+    return 0
+
+
+def _evaluate(target_dir: str, draft_dir: Path, num_prompts: int) -> dict:
+    import torch
+
+    from specdec.draft_training.evaluate import evaluate
+    from specdec.runner import ModelRunner
+
+    target = models.load_causal_lm(target_dir, torch.device("cpu"), torch.float32)
+    draft = models.load_causal_lm(str(draft_dir), torch.device("cpu"), torch.float32)
+    target_runner = ModelRunner(target.model)
+    draft_runner = ModelRunner(draft.model, target_vocab_size=target_runner.vocab.target_vocab_size,
+                               token_map=draft.token_map)
+    assert target.tokenizer is not None
+    return evaluate(draft_runner, target_runner, target.tokenizer, num_prompts=num_prompts)

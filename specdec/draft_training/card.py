@@ -1,0 +1,77 @@
+"""Write the draft's model card from the figures the pipeline measured (nothing typed in)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _row(result: dict) -> str:
+    greedy = result.get("greedy_matches_target")
+    check = "" if greedy is None else ("yes" if greedy else "NO")
+    return (f"| {result['temperature']:g} | {result['gamma']} | {result['alpha']:.3f} | "
+            f"{result['acceptance_rate']:.3f} | {result['mean_accepted_length']:.2f} | "
+            f"{result['draft_tokens']} | {check} |")
+
+
+def write_model_card(out_dir: Path, work_dir: Path) -> None:
+    config = json.loads((out_dir / "config.json").read_text())
+    token_map = json.loads((out_dir / "token_map.json").read_text())["target_ids"]
+    summary = json.loads((work_dir / "train_summary.json").read_text())
+    report = json.loads((work_dir / "eval_report.json").read_text())
+    t_target = {int(k): v for k, v in report["t_target_ms"].items()}
+    bounds = {int(k): v for k, v in report["bound_by_gamma_greedy"].items()}
+    lines = [
+        "# specdec-draft: a distilled draft for SmolLM2-135M-Instruct",
+        "",
+        "The default draft model of specdec, trained by `specdec train-draft` on the target's "
+        "own outputs. Every figure below was written by that pipeline "
+        "(`specdec train-draft card`) from its training summary and evaluation report.",
+        "",
+        "## Architecture",
+        f"- Llama, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+        f"{config['num_attention_heads']} heads ({config['num_key_value_heads']} KV heads), "
+        f"intermediate {config['intermediate_size']}, tied embeddings.",
+        f"- Reduced vocabulary: {len(token_map)} target tokens (the ones carrying the most of "
+        "the target's probability mass in the training data) plus one UNK input row. "
+        "`token_map.json` maps draft rows to target ids; the draft proposes only mapped "
+        "tokens, so q is 0 elsewhere and speculative sampling stays exact.",
+        f"- Parameters: {summary['parameters']:,}.",
+        "- Initialisation: the target's embeddings (restricted to the map), first layers and "
+        "final norm; then distilled with a KL loss to the target's top-16 distribution.",
+        "",
+        "## Training data",
+        f"- {summary['sequences']:,} continuations, {summary['tokens']:,} target tokens, "
+        "sampled from SmolLM2-135M-Instruct (fp32) on the project's templated prompt set "
+        "(`specdec/draft_training/prompts.py`); half greedy, half sampled at T=1.",
+        f"- {summary['steps']:,} optimiser steps; training took {summary['train_s'] / 60:.1f} "
+        "min on 2 CPU cores; final loss (cross-entropy to the target's top-k) "
+        f"{summary['final_loss']:.3f}.",
+        "",
+        f"## Evaluation ({report['num_prompts']} held-out prompts, up to "
+        f"{report['max_new_tokens']} new tokens, target in fp32, {report['threads']} threads)",
+        "alpha = accepted / (accepted + rejections), the per-token acceptance probability; "
+        "acceptance rate = accepted / drafted (vLLM's); mean accepted length includes the "
+        "bonus/correction token.",
+        "",
+        "| T | gamma | alpha | acceptance rate | mean accepted length | draft tokens | "
+        "greedy == target |",
+        "|---|---|---|---|---|---|---|",
+        *(_row(result) for result in report["acceptance"]),
+        "",
+        "## Costs (median warm-cache forward, ms)",
+        f"- T_draft(1) = {report['t_draft_1_ms']:.1f} ms; c = T_draft(1)/T_target(1) = "
+        f"{report['c']:.3f}",
+        "- T_target(k): " + ", ".join(f"k={k}: {v:.1f}" for k, v in sorted(t_target.items())),
+        "- Speedup bound S(gamma) at T=0 (shared/REFERENCE.md section 2, measured costs): "
+        + ", ".join(f"{g}: {b:.2f}x" for g, b in sorted(bounds.items())),
+        f"- Best gamma {report['best_gamma']}: bound {report['best_bound']:.2f}x over "
+        "target-only.",
+        "",
+        "## Reproduce",
+        "```",
+        "specdec train-draft            # data, train, eval, card; resumable",
+        "specdec train-draft eval card  # re-measure the committed draft",
+        "```",
+    ]
+    (out_dir / "README.md").write_text("\n".join(lines) + "\n")

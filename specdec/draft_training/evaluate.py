@@ -1,0 +1,153 @@
+"""Measure a draft against the target on held-out prompts: alpha, accepted length, costs.
+
+Figures follow shared/REFERENCE.md section 2: alpha is the per-token acceptance
+probability (MLE under the geometric model: accepted / (accepted + rejections)); costs
+are medians of warm-cache forwards; the bound S(gamma) uses the measured T_target(k).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specdec.draft_training.datagen import interleave_by_category
+from specdec.draft_training.prompts import generate_prompts, split
+from specdec.history import TokenHistory
+from specdec.local import LocalDrafter, LocalVerifier
+from specdec.loop import GenerateConfig, RoundEvent, generate
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class AcceptanceResult:
+    temperature: float
+    gamma: int
+    prompts: int
+    draft_tokens: int
+    accepted_tokens: int
+    rejections: int
+    acceptance_rate: float  # accepted / drafted (vLLM)
+    alpha: float  # accepted / (accepted + rejections)
+    mean_accepted_length: float  # tokens per drafting round, bonus included
+    greedy_matches_target: bool | None = None
+
+
+@dataclass
+class CostResult:
+    t_draft_1_ms: float
+    t_target_ms: dict[int, float] = field(default_factory=dict)  # k -> ms
+
+    @property
+    def c(self) -> float:
+        return self.t_draft_1_ms / self.t_target_ms[1]
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def speedup_bound(alpha: float, gamma: int, costs: CostResult) -> float:
+    """S(gamma) = E[tokens] * T_target(1) / (gamma * T_draft(1) + T_target(gamma + 1))."""
+    verify_ms = costs.t_target_ms[gamma + 1]
+    return expected_tokens(alpha, gamma) * costs.t_target_ms[1] / (
+        gamma * costs.t_draft_1_ms + verify_ms)
+
+
+def held_out_prompt_ids(tokenizer, count: int) -> list[tuple[str, list[int]]]:
+    _, held_out = split(generate_prompts())
+    chosen = interleave_by_category(held_out)[:count]
+    result = []
+    for prompt in chosen:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        result.append((prompt.category, list(ids)))
+    return result
+
+
+def measure_acceptance(draft_runner: ModelRunner, target_runner: ModelRunner,
+                       prompts: list[tuple[str, list[int]]], temperature: float, gamma: int,
+                       max_new_tokens: int, eos_id: int,
+                       check_greedy: bool = False) -> AcceptanceResult:
+    drafter, verifier = LocalDrafter(draft_runner), LocalVerifier(target_runner)
+    drafted = accepted = rejections = drafts = 0
+    matches = True
+    for index, (_, ids) in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, seed=index)
+        config = GenerateConfig(max_new_tokens=max_new_tokens, sampling=params,
+                                num_draft_tokens=gamma, eos_token_ids=[eos_id])
+
+        def count_round(event: RoundEvent) -> None:
+            nonlocal rejections
+            if event.proposal and event.accepted_len < len(event.proposal.tokens):
+                rejections += 1
+
+        result = generate(drafter, verifier, ids, config, on_round=count_round)
+        drafted += result.stats.draft_tokens
+        accepted += result.stats.accepted_tokens
+        drafts += result.stats.num_drafts
+        if check_greedy:
+            reference = generate(None, verifier, ids, GenerateConfig(
+                max_new_tokens=max_new_tokens, num_draft_tokens=0, eos_token_ids=[eos_id]))
+            matches = matches and reference.token_ids == result.token_ids
+    return AcceptanceResult(
+        temperature, gamma, len(prompts), drafted, accepted, rejections,
+        accepted / max(1, drafted), accepted / max(1, accepted + rejections),
+        1 + accepted / max(1, drafts), matches if check_greedy else None)
+
+
+def _median_forward_ms(runner: ModelRunner, context: list[int], new_tokens: int,
+                       repeats: int) -> float:
+    runner.extend("cost", 0, 0, context)
+    fingerprint = TokenHistory(context).fingerprint()
+    block = context[:new_tokens]
+    times = []
+    for _ in range(repeats + 2):
+        started = time.perf_counter()
+        runner.extend("cost", len(context), fingerprint, block, num_logits=new_tokens)
+        times.append((time.perf_counter() - started) * 1000)
+    runner.release("cost")
+    return statistics.median(times[2:])
+
+
+def measure_costs(draft_runner: ModelRunner, target_runner: ModelRunner, context: list[int],
+                  max_k: int = 9, repeats: int = 15) -> CostResult:
+    costs = CostResult(_median_forward_ms(draft_runner, context, 1, repeats))
+    for k in range(1, max_k + 1):
+        costs.t_target_ms[k] = _median_forward_ms(target_runner, context, k, repeats)
+    return costs
+
+
+def evaluation_report(acceptance: list[AcceptanceResult], costs: CostResult) -> dict:
+    greedy = next(a for a in acceptance if a.temperature == 0.0)
+    bounds = {gamma: speedup_bound(greedy.alpha, gamma, costs)
+              for gamma in range(1, max(costs.t_target_ms))}
+    best_gamma = max(bounds, key=bounds.__getitem__)
+    return {"acceptance": [asdict(a) for a in acceptance],
+            "t_draft_1_ms": costs.t_draft_1_ms, "t_target_ms": costs.t_target_ms,
+            "c": costs.c, "bound_by_gamma_greedy": bounds, "best_gamma": best_gamma,
+            "best_bound": bounds[best_gamma]}
+
+
+def evaluate(draft_runner: ModelRunner, target_runner: ModelRunner, tokenizer, *,
+             num_prompts: int = 24, max_new_tokens: int = 64, gamma: int = 4) -> dict:
+    torch.manual_seed(0)
+    prompts = held_out_prompt_ids(tokenizer, num_prompts)
+    eos_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    acceptance = [
+        measure_acceptance(draft_runner, target_runner, prompts, 0.0, gamma, max_new_tokens,
+                           eos_id, check_greedy=True),
+        measure_acceptance(draft_runner, target_runner, prompts, 1.0, gamma, max_new_tokens,
+                           eos_id),
+    ]
+    costs = measure_costs(draft_runner, target_runner, prompts[0][1] * 3)
+    report = evaluation_report(acceptance, costs)
+    report.update({"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                   "threads": torch.get_num_threads()})
+    return report
