@@ -14,6 +14,7 @@ from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
 from specdec.grpc_server import ServerHandle, build_server
 from specdec.model_service import model_info
 from specdec.models import load_tokenizer
+from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,8 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         draft_timeout_s=args.draft_timeout_ms / 1000, target_timeout_s=args.target_timeout_s)
 
 
-def create(args: argparse.Namespace,
-           interceptors: Sequence[grpc.ServerInterceptor] = ()) -> ServerHandle:
+def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
+           telemetry: Telemetry | None = None) -> ServerHandle:
     # Only the target's tokenizer and config: the weights live in the target service.
     target = model_info(args.target_model)
     try:
@@ -35,12 +36,18 @@ def create(args: argparse.Namespace,
         log.warning("no tokenizer for %s (%s): only prompt_token_ids will be accepted",
                     args.target_model, error)
         tokenizer = None
-    channels = ChannelPool()
+    # Client interceptor: Propose/Verify carry the trace context to the services.
+    channels = ChannelPool(wrap=telemetry.intercept_channel if telemetry else None)
     draft = args.draft_endpoint if args.draft_endpoint.lower() not in ("", "none") else None
     servicer = CoordinatorServicer(
         target, StaticEndpoints(args.target_endpoint, draft),
-        settings=settings_from_args(args), tokenizer=tokenizer, channels=channels)
+        settings=settings_from_args(args), tokenizer=tokenizer, channels=channels,
+        telemetry=telemetry)
+    if telemetry is not None:  # tracing outermost: its span covers the other interceptors
+        interceptors = [*telemetry.server_interceptors(), *interceptors]
     handle = build_server([servicer.service()], host=args.host, port=args.port,
                           max_workers=args.max_workers, interceptors=interceptors)
     handle.on_stop.append(channels.close)
+    if telemetry is not None:
+        handle.on_stop.append(telemetry.shutdown)  # flush the last spans
     return handle

@@ -8,6 +8,7 @@ current round; the loop's `finally` then releases both services' caches.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
@@ -27,9 +28,12 @@ from specdec import policy as policies
 from specdec.errors import SpecdecError
 from specdec.grpc_server import Service
 from specdec.grpc_status import abort, rpc_errors
+from specdec.interfaces import Drafter, Verifier
 from specdec.loop import GenerateConfig, GenerationResult, RoundEvent, generate
 from specdec.model_service import ModelInfo
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.telemetry.observe import RequestObserver
+from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ class CoordinatorSettings:
 
 class Cancelled(Exception):
     """The client went away; raised from on_round to end the loop (which releases)."""
+
+    finish_reason = "cancelled"  # how metrics count the request
 
 
 def make_policy(num_draft_tokens: int, adaptive: bool) -> policies.LengthPolicy:
@@ -71,8 +77,10 @@ def _deadline(context: grpc.ServicerContext) -> float | None:
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, target: ModelInfo, endpoints: EndpointSource, *,
                  settings: CoordinatorSettings | None = None, tokenizer: Any | None = None,
-                 channels: ChannelPool | None = None) -> None:
+                 channels: ChannelPool | None = None, telemetry: Telemetry | None = None) -> None:
         self.target = target
+        # Tracing (request and round spans) and Prometheus metrics; off unless given.
+        self.telemetry = telemetry or Telemetry("coordinator")
         self.endpoints = endpoints
         self.settings = settings or CoordinatorSettings()
         self.tokenizer = tokenizer
@@ -94,13 +102,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)
         try:
-            result = self.run(valid, request.request_id, _deadline(context),
-                              lambda: cancelled.is_set() or not context.is_active())
+            with self.telemetry.request(request.request_id, len(valid.prompt_ids)) as observed:
+                result = self.run(valid, request.request_id, _deadline(context),
+                                  lambda: cancelled.is_set() or not context.is_active(),
+                                  observed=observed)
         except Cancelled:
             context.abort(grpc.StatusCode.CANCELLED, "client cancelled")
         response = coordinator_pb2.GenerateResponse(
             text=result.text or "", token_ids=result.token_ids,
-            finish_reason=result.finish_reason)
+            finish_reason=result.finish_reason, trace_id=observed.trace_id)
         self._fill_stats(response.stats, result, len(valid.prompt_ids))
         return response
 
@@ -125,18 +135,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         def work() -> None:
             try:
-                result = self.run(valid, request.request_id, _deadline(context),
-                                  lambda: cancelled.is_set() or not context.is_active(), on_round)
+                with self.telemetry.request(request.request_id,
+                                            len(valid.prompt_ids)) as observed:
+                    result = self.run(valid, request.request_id, _deadline(context),
+                                      lambda: cancelled.is_set() or not context.is_active(),
+                                      on_round, observed=observed)
                 text, tokens = chunker.finish(result.text or "", result.token_ids)
                 last = coordinator_pb2.GenerateResponse(text=text, token_ids=tokens,
-                                                        finish_reason=result.finish_reason)
+                                                        finish_reason=result.finish_reason,
+                                                        trace_id=observed.trace_id)
                 self._fill_stats(last.stats, result, len(valid.prompt_ids))
                 chunks.put(last)
                 chunks.put(None)
             except BaseException as error:  # noqa: BLE001 - handed to the RPC thread
                 chunks.put(error)
 
-        worker = threading.Thread(target=work, name="generate-stream", daemon=True)
+        # copy_context: the worker's spans join the trace of this RPC's server span.
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(work,),
+                                  name="generate-stream", daemon=True)
         worker.start()
         try:
             while True:
@@ -157,7 +173,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     # -- the loop --------------------------------------------------------------------------
     def run(self, valid: ValidRequest, request_id: str, deadline: float | None,
             is_cancelled: Callable[[], bool],
-            on_event: Callable[[RoundEvent], None] | None = None) -> GenerationResult:
+            on_event: Callable[[RoundEvent], None] | None = None,
+            observed: RequestObserver | None = None) -> GenerationResult:
         session_id = uuid.uuid4().hex  # never the client's request_id: caches are per run
         endpoints = self.endpoints.for_session(session_id)
         log.debug("request %r: session %s on target %s, draft %s", request_id, session_id,
@@ -176,8 +193,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 num_draft_tokens=valid.num_draft_tokens,
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)
+        loop_drafter: Drafter | None = drafter
+        loop_verifier: Verifier = verifier
+        if observed is not None:  # round spans must be current while their calls run
+            observed.describe(config)
+            loop_drafter = observed.drafter(drafter) if drafter is not None else None
+            loop_verifier = observed.verifier(verifier)
 
         def on_round(event: RoundEvent) -> None:
+            if observed is not None:  # record the round even if the client has gone
+                observed.on_round(event)
             if is_cancelled():
                 raise Cancelled()
             if on_event is not None:
@@ -185,9 +210,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         backoff = policies.DraftBackoff(self.settings.draft_backoff_initial_s,
                                         self.settings.draft_backoff_max_s)
-        return generate(drafter, verifier, valid.prompt_ids, config,
-                        policy=make_policy(valid.num_draft_tokens, valid.adaptive),
-                        decode=self.decode, on_round=on_round, backoff=backoff)
+        result = generate(loop_drafter, loop_verifier, valid.prompt_ids, config,
+                          policy=make_policy(valid.num_draft_tokens, valid.adaptive),
+                          decode=self.decode, on_round=on_round, backoff=backoff)
+        if observed is not None:
+            observed.finish(result)
+        return result
 
     @staticmethod
     def _fill_stats(out: coordinator_pb2.GenerationStats, result: GenerationResult,

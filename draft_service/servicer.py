@@ -12,14 +12,17 @@ from specdec.model_service import SessionTable
 from specdec.proto.specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.steps import draft_step
+from specdec.telemetry.service import Telemetry
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
-                 max_draft_tokens: int = 64) -> None:
+                 max_draft_tokens: int = 64, telemetry: Telemetry | None = None) -> None:
         self.runner = runner
+        self.telemetry = telemetry or Telemetry("draft")
+        self.telemetry.watch_runner(runner)
         self.sessions = SessionTable(runner, session_ttl_s)
         self.max_draft_tokens = max_draft_tokens
 
@@ -39,6 +42,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                  f"got {request.num_tokens}")
         out = self.sessions.call(sync.session_id, lambda: draft_step(
             self.runner, sync, request.num_tokens, params))
+        # Catch-up tokens in one forward, then one step per further draft token.
+        self.telemetry.record_step(
+            forward_s=out.forward_s, tokens_processed=len(sync.append) + len(out.tokens) - 1,
+            kv_length=out.kv_length, committed_position=sync.committed_position,
+            catch_up_tokens=len(sync.append))
         response = draft_pb2.ProposeResponse(tokens=out.tokens, kv_length=out.kv_length,
                                              forward_seconds=out.forward_s)
         if out.probs is not None:

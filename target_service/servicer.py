@@ -13,14 +13,18 @@ from specdec.model_service import SessionTable
 from specdec.proto.specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.steps import verify_step
+from specdec.telemetry import names
+from specdec.telemetry.service import Telemetry
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
-                 max_draft_tokens: int = 64) -> None:
+                 max_draft_tokens: int = 64, telemetry: Telemetry | None = None) -> None:
         self.runner = runner
+        self.telemetry = telemetry or Telemetry("target")
+        self.telemetry.watch_runner(runner)
         self.sessions = SessionTable(runner, session_ttl_s)
         self.max_draft_tokens = max_draft_tokens
 
@@ -50,6 +54,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 raise InvalidRequest("draft_probs gives probability 0 to a draft token")
         out = self.sessions.call(sync.session_id, lambda: verify_step(
             self.runner, sync, draft_tokens, probs, params))
+        self.telemetry.record_step(
+            forward_s=out.forward_s, tokens_processed=out.tokens_processed,
+            kv_length=out.kv_length, committed_position=sync.committed_position,
+            catch_up_tokens=len(sync.append),
+            attributes={names.ACCEPTED: out.verdict.accepted_len})
         return target_pb2.VerifyResponse(
             accepted_len=out.verdict.accepted_len, next_token=out.verdict.next_token,
             kv_length=out.kv_length, forward_seconds=out.forward_s)

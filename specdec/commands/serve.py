@@ -6,6 +6,7 @@ import argparse
 import importlib
 
 from specdec.config import add_model_settings, add_setting
+from specdec.telemetry.settings import add_telemetry_settings
 
 ROLES = ("coordinator", "draft", "target")
 DEFAULT_PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
@@ -46,6 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--target-endpoint", f"127.0.0.1:{DEFAULT_PORTS['target']}",
                 "coordinator: the target service")
     add_service_settings(parser)
+    # Not in add_service_settings: `up` must not hand one metrics port to all three.
+    add_telemetry_settings(parser)
     parser.set_defaults(func=run)
 
 
@@ -56,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
         args.port = DEFAULT_PORTS[args.role]
     module = {"draft": "draft_service.server", "target": "target_service.server",
               "coordinator": "coordinator.server"}[args.role]
-    handle = importlib.import_module(module).create(args)
+    from specdec.telemetry.service import Telemetry
+
+    telemetry = Telemetry.from_args(args, args.role)  # traces, and /metrics on its port
+    handle = importlib.import_module(module).create(args, telemetry=telemetry)
     print(f"{args.role} serving on {handle.address}", flush=True)
     serve_until_signal(handle, args.grace_s)
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from opentelemetry import trace
@@ -84,7 +84,7 @@ class RequestObserver:
 
 def record_step(metrics: ModelServiceMetrics | None, *, forward_s: float, tokens_processed: int,
                 kv_length: int, committed_position: int, catch_up_tokens: int,
-                **extra: AttributeValue) -> None:
+                attributes: Mapping[str, AttributeValue] | None = None) -> None:
     """Called by a Propose/Verify servicer inside its RPC: annotates the SERVER span the
     interceptor made current, and feeds the service's metrics."""
     span = trace.get_current_span()
@@ -95,7 +95,7 @@ def record_step(metrics: ModelServiceMetrics | None, *, forward_s: float, tokens
             n.KV_LENGTH: kv_length,
             n.COMMITTED_POSITION: committed_position,
             n.CATCH_UP_TOKENS: catch_up_tokens,
-            **extra,
+            **(attributes or {}),
         })
     if metrics is not None:
         metrics.observe_step(forward_s, tokens_processed)

@@ -243,7 +243,7 @@ def _network_ms(propose: RpcTimes | None, verify: RpcTimes | None) -> float | No
 
 def round_rows(generate: SpanRecord, trace: list[SpanRecord]) -> list[RoundRow]:
     children = _children(trace)
-    rows = []
+    rows: list[RoundRow] = []
     for span in children.get(generate.span_id, []):
         if span.name != n.ROUND_SPAN:
             continue

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 
 from specdec.loop import GenerateConfig
@@ -72,7 +74,12 @@ class Telemetry:
         return not isinstance(self.tracer_provider, trace.NoOpTracerProvider)
 
     def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> int:
-        self.metrics_port = start_metrics_server(port, self.registry, addr)
+        try:
+            self.metrics_port = start_metrics_server(port, self.registry, addr)
+        except OSError as error:  # reported by the CLI as a one-line error, not a traceback
+            raise RuntimeError(f"{self.role}: cannot serve metrics on port {port}: {error} "
+                               "(set --metrics-port / SPECDEC_METRICS_PORT; -1 turns it off)"
+                               ) from None
         logger.info("%s: Prometheus metrics on :%d/metrics", self.role, self.metrics_port)
         return self.metrics_port
 
@@ -100,10 +107,12 @@ class Telemetry:
             self.model_metrics.watch_runner(runner)
 
     def record_step(self, *, forward_s: float, tokens_processed: int, kv_length: int,
-                    committed_position: int, catch_up_tokens: int, **extra: Any) -> None:
+                    committed_position: int, catch_up_tokens: int,
+                    attributes: Mapping[str, AttributeValue] | None = None) -> None:
+        """Inside a Propose/Verify handler: annotate its server span, feed the metrics."""
         record_step(self.model_metrics, forward_s=forward_s, tokens_processed=tokens_processed,
                     kv_length=kv_length, committed_position=committed_position,
-                    catch_up_tokens=catch_up_tokens, **extra)
+                    catch_up_tokens=catch_up_tokens, attributes=attributes)
 
     def record_cache_sync_error(self) -> None:
         if self.model_metrics is not None:
