@@ -150,3 +150,45 @@ def test_unsampled_request_reports_no_trace_id(monkeypatch: pytest.MonkeyPatch) 
         "coordinator", exporters=[exporter], synchronous=True))
     _, trace_id = run_request(telemetry, max_new_tokens=3)
     assert trace_id == "" and not exporter.get_finished_spans()
+
+
+def test_trace_context_crosses_a_grpc_call() -> None:
+    """Client span -> traceparent in metadata -> server span in another provider."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    exporter = InMemorySpanExporter()
+    client = Telemetry("coordinator", build_tracer_provider(
+        "coordinator", exporters=[exporter], synchronous=True))
+    server_side = Telemetry("target", build_tracer_provider(
+        "target", exporters=[exporter], synchronous=True))
+    seen: list[str] = []
+
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        seen.append(format(trace.get_current_span().get_span_context().trace_id, "032x"))
+        return request
+
+    handler = grpc.method_handlers_generic_handler(
+        "test.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)})
+    server = grpc.server(futures.ThreadPoolExecutor(2),
+                         interceptors=server_side.server_interceptors())
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        channel = client.intercept_channel(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        with client.tracer.start_as_current_span("parent") as parent:
+            assert channel.unary_unary("/test.Echo/Call")(b"x", timeout=10) == b"x"
+        assert health_pb2  # health checks are filtered (see propagation.py)
+    finally:
+        server.stop(0)
+    spans = {(s.name, s.kind): s for s in exporter.get_finished_spans()}
+    call_client = spans[("/test.Echo/Call", trace.SpanKind.CLIENT)]
+    call_server = spans[("/test.Echo/Call", trace.SpanKind.SERVER)]
+    trace_id = parent.get_span_context().trace_id
+    assert seen == [format(trace_id, "032x")]
+    assert call_client.context.trace_id == call_server.context.trace_id == trace_id
+    assert call_server.parent.span_id == call_client.context.span_id
+    assert call_server.resource.attributes[n.ROLE] == "target"

@@ -14,6 +14,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import client_interceptor, server_interceptor
 from opentelemetry.instrumentation.grpc import filters as grpc_filters
+from opentelemetry.instrumentation.grpc.grpcext import intercept_channel as otel_intercept_channel
 
 _UNTRACED_SERVICE_PREFIXES = ("grpc.health.", "grpc.reflection.")
 
@@ -35,4 +36,6 @@ def intercept_channel(channel: grpc.Channel, provider: trace.TracerProvider | No
     if provider is None or isinstance(provider, trace.NoOpTracerProvider):
         return channel
     interceptor = client_interceptor(tracer_provider=provider, filter_=_traced_filter())
-    return grpc.intercept_channel(channel, interceptor)
+    # The instrumentation's interceptor is its own (grpcext) kind, not grpc's interceptor
+    # classes, so grpc.intercept_channel rejects it; grpcext wraps the channel instead.
+    return otel_intercept_channel(channel, interceptor)  # type: ignore[no-any-return]
