@@ -101,6 +101,8 @@ def stats_table(response: Any, title: str = "generation stats") -> Any:
          f"{stats.verify_seconds:.2f} s / {stats.verify_forward_seconds:.2f} s"),
         ("wire bytes per round", f"{stats.wire_bytes / max(1, stats.rounds):,.0f}"),
         ("degraded / resyncs", f"{'yes' if stats.degraded else 'no'} / {stats.resyncs}"),
+        # From a response to its trace: `specdec traces <id>` (or the id in Jaeger/Phoenix).
+        ("trace id", response.trace_id or "- (tracing off or not sampled)"),
     ]
     for name, value in rows:
         table.add_row(name, value)
