@@ -1,0 +1,91 @@
+"""`specdec up` / `generate` as real processes, with tiny models that use the real
+SmolLM2 tokenizer (so text prompts, chat and stop strings work end to end)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from specdec.grpc_server import check_health
+from specdec.models import DEFAULT_TARGET, resolve
+from specdec.stack import free_port
+
+SPECDEC = [sys.executable, "-m", "specdec.cli"]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Tiny random target and draft over SmolLM2's 49152-token vocabulary."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(resolve(DEFAULT_TARGET, progress=False))
+    root = tmp_path_factory.mktemp("models")
+    paths = []
+    for name, seed, layers in (("target", 1, 2), ("draft", 2, 1)):
+        model = tiny_llama(len(tokenizer), seed=seed, layers=layers, hidden=32)
+        model.config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths.append(root / name)
+    return paths[0], paths[1]
+
+
+def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    target, draft = tiny_pair
+    ports = {role: free_port() for role in ("coordinator", "draft", "target")}
+    env = {**os.environ, "SPECDEC_TORCH_THREADS": "1"}
+    up = subprocess.Popen(
+        [*SPECDEC, "up", "--target-model", str(target), "--draft-model", str(draft),
+         "--log-dir", str(tmp_path / "logs"), "--startup-timeout-s", "120",
+         *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    endpoint = f"127.0.0.1:{ports['coordinator']}"
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:  # blocks until `up` reports ready (or exits)
+            lines.append(line)
+            if line.startswith("ready"):
+                break
+        assert lines and lines[-1].startswith("ready"), "".join(lines)
+        for role, port in ports.items():
+            assert check_health(f"127.0.0.1:{port}"), role
+
+        result = subprocess.run(
+            [*SPECDEC, "generate", "Hello there", "--chat", "--max-new-tokens", "12",
+             "--temperature", "1", "--seed", "3", "--json", "--endpoint", endpoint],
+            capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 0, result.stderr
+        response = json.loads(result.stdout)
+        assert response["finish_reason"] in ("length", "eos")
+        assert response["stats"]["rounds"] > 0 and response["stats"]["prompt_tokens"] > 3
+
+        streamed = subprocess.run(
+            [*SPECDEC, "generate", "Hello there", "--chat", "--max-new-tokens", "12",
+             "--temperature", "1", "--seed", "3", "--stream", "--endpoint", endpoint],
+            capture_output=True, text=True, timeout=120, env=env)
+        assert streamed.returncode == 0, streamed.stderr
+        assert "acceptance rate" in streamed.stdout
+        assert streamed.stdout.startswith(response.get("text", ""))
+
+        bad = subprocess.run(
+            [*SPECDEC, "generate", "x", "--max-new-tokens", "0", "--endpoint", endpoint],
+            capture_output=True, text=True, timeout=60, env=env)
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    finally:
+        up.send_signal(signal.SIGINT)  # what Ctrl-C does
+        rest, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, rest
+    assert "stopped: coordinator exit 0, draft exit 0, target exit 0" in rest
+    time.sleep(0.2)
+    assert not any(check_health(f"127.0.0.1:{port}", timeout_s=0.3) for port in ports.values())
