@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 class StreamChunker:
     def __init__(self, decode: Callable[[list[int]], str] | None, stop: Sequence[str]) -> None:
         self.decode = decode
+        self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.sent_text = ""
         self.sent_tokens = 0
@@ -24,6 +25,8 @@ class StreamChunker:
         if self.decode is None:
             return "", self._take(tokens, len(tokens))
         text = self.decode(tokens)
+        if any(s in text for s in self.stop):
+            return "", []  # this round hit a stop string: the final message cuts before it
         if not text.startswith(self.sent_text):
             return "", []  # decoding revised earlier text: wait for the final message
         safe = len(text.rstrip("\ufffd")) - self.holdback

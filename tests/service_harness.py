@@ -39,6 +39,7 @@ class Services:
     draft_interceptors: Sequence[grpc.ServerInterceptor] = ()
     target_interceptors: Sequence[grpc.ServerInterceptor] = ()
     target_kv_budget_bytes: int | None = None
+    draft_token_map: torch.Tensor | None = None  # reduced-vocabulary draft
 
     def __post_init__(self) -> None:
         self.draft: DraftServicer | None = None
@@ -68,8 +69,9 @@ class Services:
     def start_draft(self) -> None:
         assert self.draft_model is not None
         vocab = int(self.target_model.config.vocab_size)
-        self.draft = DraftServicer(ModelRunner(self.draft_model, target_vocab_size=vocab),
-                                   session_ttl_s=self.session_ttl_s)
+        runner = ModelRunner(self.draft_model, target_vocab_size=vocab,
+                             token_map=self.draft_token_map)
+        self.draft = DraftServicer(runner, session_ttl_s=self.session_ttl_s)
         self.draft_server = build_server([self.draft.service()], port=self.draft_port,
                                          interceptors=self.draft_interceptors)
         self.draft_port = self.draft_server.port

@@ -147,6 +147,29 @@ def test_seeded_sampling_equals_the_in_process_loop(services, models, sampling) 
         assert list(again.token_ids) == local.token_ids
 
 
+def test_reduced_vocabulary_draft_over_the_wire(models) -> None:
+    """A draft over 12 of the target's 32 ids (plus an UNK row): q travels with its column
+    ids and the result equals the in-process loop with the same draft."""
+    target, _ = models
+    token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:12]
+    draft = tiny_llama(13, seed=3, layers=1)
+    stack = Services(draft, target, draft_token_map=token_map)
+    try:
+        for sampling in ({"temperature": 1.0}, {"temperature": 0.5, "top_k": 2}):
+            response = stack.stub.Generate(request(max_new_tokens=20, k=3, seed=4, **sampling),
+                                           timeout=30)
+            config = GenerateConfig(max_new_tokens=20, num_draft_tokens=3,
+                                    sampling=SamplingParams(seed=4, **sampling))
+            drafter = LocalDrafter(ModelRunner(draft, target_vocab_size=VOCAB,
+                                               token_map=token_map))
+            local = generate(drafter, LocalVerifier(ModelRunner(target)), PROMPT, config)
+            assert list(response.token_ids) == local.token_ids
+        greedy = stack.stub.Generate(request(max_new_tokens=20, k=3), timeout=30)
+        assert list(greedy.token_ids) == target_only(target, PROMPT, 20)
+    finally:
+        stack.close()
+
+
 def test_stream_pieces_add_up_to_the_unary_response(services) -> None:
     message = request(max_new_tokens=30, temperature=1.0, seed=3)
     unary = services.stub.Generate(message, timeout=30)

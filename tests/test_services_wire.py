@@ -89,7 +89,8 @@ def test_chunker_without_stop_strings_sends_everything() -> None:
 def test_chunker_holds_back_a_possible_stop_string() -> None:
     chunker = StreamChunker(char_decode, ["cde"])  # may start in the last 2 characters
     assert chunker.update([0, 1, 2, 3]) == ("ab", [0, 1])
-    # The stop string completes: the loop cuts the output before "cde".
+    # The round that completes the stop string sends nothing; the final message cuts.
+    assert chunker.update([0, 1, 2, 3, 4]) == ("", [])
     assert chunker.finish("ab", [0, 1, 2]) == ("", [2])
 
 
