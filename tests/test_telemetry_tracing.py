@@ -192,3 +192,16 @@ def test_trace_context_crosses_a_grpc_call() -> None:
     assert call_client.context.trace_id == call_server.context.trace_id == trace_id
     assert call_server.parent.span_id == call_client.context.span_id
     assert call_server.resource.attributes[n.ROLE] == "target"
+
+
+def test_health_checks_and_reflection_are_not_traced() -> None:
+    from types import SimpleNamespace
+
+    from specdec.telemetry.propagation import _traced
+
+    assert _traced(SimpleNamespace(method="/specdec.v1.Draft/Propose"))  # server side
+    assert _traced(SimpleNamespace(full_method="/specdec.v1.Target/Verify"))  # client side
+    assert not _traced(SimpleNamespace(method="/grpc.health.v1.Health/Check"))
+    assert not _traced(SimpleNamespace(method=b"/grpc.health.v1.Health/Watch"))
+    assert not _traced(SimpleNamespace(
+        full_method="/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"))
