@@ -61,7 +61,11 @@ def make_policy(num_draft_tokens: int, adaptive: bool) -> policies.LengthPolicy:
     # AdaptiveLength is another engineer's; until it lands, --adaptive is plumbed only.
     adaptive_cls = getattr(policies, "AdaptiveLength", None)
     if adaptive and num_draft_tokens > 0 and adaptive_cls is not None:
-        return adaptive_cls(num_draft_tokens)  # type: ignore[no-any-return]
+        try:
+            return adaptive_cls(num_draft_tokens)  # type: ignore[no-any-return]
+        except TypeError:  # a constructor this code does not know yet: stay exact, fixed
+            log.warning("AdaptiveLength(%d) failed; using a fixed draft length",
+                        num_draft_tokens, exc_info=True)
     return policies.FixedLength(num_draft_tokens)
 
 

@@ -54,7 +54,7 @@ def rpc_errors(method: F) -> F:
         except SpecdecError as error:
             abort(context, error)
         except Exception as error:
-            if context.code() is not None:
+            if context.code() is not None:  # type: ignore[attr-defined]
                 raise  # raised by context.abort: the status is already set
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")

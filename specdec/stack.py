@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -17,6 +18,10 @@ from specdec.grpc_server import wait_healthy
 
 # Stop order: the coordinator first, so no new rounds reach the model services.
 ROLES = ("coordinator", "draft", "target")
+
+
+def _alive(proc: subprocess.Popen[bytes]) -> bool:
+    return proc.poll() is None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -44,7 +49,7 @@ class Stack:
         for role in ("target", "draft", "coordinator"):
             proc = self.processes[role]
             ok = wait_healthy(self.endpoint(role), max(0.0, deadline - time.monotonic()),
-                              alive=lambda proc=proc: proc.poll() is None)
+                              alive=functools.partial(_alive, proc))
             if not ok:
                 where = f"; log: {self.logs[role]}" if role in self.logs else ""
                 state = ("exited with " + str(proc.returncode)) if proc.poll() is not None \
