@@ -57,15 +57,18 @@ class Cancelled(Exception):
     finish_reason = "cancelled"  # how metrics count the request
 
 
-def make_policy(num_draft_tokens: int, adaptive: bool) -> policies.LengthPolicy:
-    # AdaptiveLength is another engineer's; until it lands, --adaptive is plumbed only.
-    adaptive_cls = getattr(policies, "AdaptiveLength", None)
-    if adaptive and num_draft_tokens > 0 and adaptive_cls is not None:
+def make_policy(num_draft_tokens: int, adaptive: bool, *, max_length: int = 8,
+                greedy: bool = True) -> policies.LengthPolicy:
+    """FixedLength, or specdec.adaptive's policy for `adaptive` requests once it exists."""
+    if adaptive and num_draft_tokens > 0:
         try:
-            return adaptive_cls(num_draft_tokens)  # type: ignore[no-any-return]
-        except TypeError:  # a constructor this code does not know yet: stay exact, fixed
-            log.warning("AdaptiveLength(%d) failed; using a fixed draft length",
-                        num_draft_tokens, exc_info=True)
+            from specdec.adaptive import length_policy
+
+            return length_policy(num_draft_tokens, adaptive, max_length=max_length,
+                                 greedy=greedy)
+        except (ImportError, TypeError):  # not there yet, or a signature this code predates
+            log.warning("adaptive draft length unavailable; using a fixed length",
+                        exc_info=True)
     return policies.FixedLength(num_draft_tokens)
 
 
@@ -215,7 +218,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         backoff = policies.DraftBackoff(self.settings.draft_backoff_initial_s,
                                         self.settings.draft_backoff_max_s)
         result = generate(loop_drafter, loop_verifier, valid.prompt_ids, config,
-                          policy=make_policy(valid.num_draft_tokens, valid.adaptive),
+                          policy=make_policy(valid.num_draft_tokens, valid.adaptive,
+                                            max_length=self.settings.max_draft_tokens,
+                                            greedy=valid.sampling.greedy),
                           decode=self.decode, on_round=on_round, backoff=backoff)
         if observed is not None:
             observed.finish(result)

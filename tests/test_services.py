@@ -114,6 +114,13 @@ def test_greedy_equals_target_only(services, models, k: int) -> None:
             assert response.stats.draft_tokens > 0
 
 
+def test_adaptive_draft_length_stays_exact(services, models) -> None:
+    message = request(max_new_tokens=40, k=3)
+    message.speculation.adaptive = True
+    response = services.stub.Generate(message, timeout=30)
+    assert list(response.token_ids) == target_only(models[0], PROMPT, 40)
+
+
 def test_greedy_with_a_perfect_draft_accepts_everything(models) -> None:
     target, _ = models
     stack = Services(target, target)  # the target as its own draft: every token accepted
