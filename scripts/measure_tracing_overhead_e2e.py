@@ -1,6 +1,8 @@
 """Tracing overhead through the real services: three stacks of `specdec serve`
 processes (coordinator, draft, target each), identical except for observability,
-requests alternated between them so background load hits all alike. Medians.
+requests alternated between them so background load hits all alike. Reports the
+median client wall time and the CPU time the three service processes used per request
+(from /proc; far less disturbed than wall time when other work shares the machine).
 
   off      --tracing off --metrics-port -1
   metrics  --tracing off, Prometheus on
@@ -81,6 +83,18 @@ def start(mode: str, root: Path, target: str, draft: str) -> tuple[int, list[sub
     return ports["coordinator"], processes
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(processes: list[subprocess.Popen]) -> float:
+    """User + system CPU of the processes so far (all their threads)."""
+    total = 0
+    for process in processes:
+        fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / CLOCK_TICKS
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target-model", default="")
@@ -99,6 +113,7 @@ def main() -> int:
         sampling=common_pb2.SamplingParams(temperature=0.8, seed=1234),
         speculation=coordinator_pb2.SpeculationParams(num_draft_tokens=args.num_draft_tokens))
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu: dict[str, float] = dict.fromkeys(MODES, 0.0)
     rounds = 0
     try:
         stubs = {mode: coordinator_pb2_grpc.CoordinatorStub(
@@ -109,9 +124,11 @@ def main() -> int:
         for _ in range(args.repeats):
             random.shuffle(order)
             for mode in order:
+                cpu_before = cpu_seconds(stacks[mode][1])
                 started = time.perf_counter()
                 response = stubs[mode].Generate(request, timeout=300)
                 times[mode].append(time.perf_counter() - started)
+                cpu[mode] += cpu_seconds(stacks[mode][1]) - cpu_before
                 rounds = response.stats.rounds
     finally:
         for _, processes in stacks.values():
@@ -120,6 +137,7 @@ def main() -> int:
             for process in processes:
                 process.wait(30)
     base = statistics.median(times["off"])
+    cpu_base = cpu["off"] / args.repeats
     report: dict = {"rounds_per_request": rounds, "repeats": args.repeats, "dir": str(root)}
     for mode in MODES:
         median = statistics.median(times[mode])
@@ -127,6 +145,10 @@ def main() -> int:
                         "overhead_ms": round((median - base) * 1e3, 2),
                         "overhead_pct": round((median - base) / base * 100, 1),
                         "overhead_us_per_round": round((median - base) / rounds * 1e6)}
+        cpu_per_request = cpu[mode] / args.repeats
+        report[mode]["cpu_ms_per_request"] = round(cpu_per_request * 1e3, 1)
+        report[mode]["cpu_overhead_us_per_round"] = round(
+            (cpu_per_request - cpu_base) / rounds * 1e6)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -135,7 +157,8 @@ def main() -> int:
             r = report[mode]
             print(f"  {mode:8s} {r['median_ms']:8.1f} ms/request   overhead "
                   f"{r['overhead_ms']:+6.1f} ms ({r['overhead_pct']:+.1f}%), "
-                  f"{r['overhead_us_per_round']:+d} us/round")
+                  f"{r['overhead_us_per_round']:+d} us/round; CPU {r['cpu_ms_per_request']:.1f}"
+                  f" ms/request, {r['cpu_overhead_us_per_round']:+d} us/round")
     return 0
 
 
