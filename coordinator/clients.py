@@ -108,9 +108,15 @@ def _plan(mirror: CacheMirror, session_id: str, committed: TokenHistory) -> Sync
                      committed.tokens[position:])
 
 
-def _failed(mirror: CacheMirror, committed: TokenHistory, sync: SyncPoint) -> None:
-    """After a call with an unknown outcome, trust only the prefix both sides agreed on."""
-    mirror.tokens = committed.tokens[: sync.committed_position]
+def _assume_done(mirror: CacheMirror, committed: TokenHistory) -> None:
+    """After a call with an unknown outcome, assume it went through on the service.
+
+    If it did (a deadline that passed while the service kept working, typically a long
+    prompt's prefill), the next call continues from the whole committed history instead
+    of re-sending it from position 0, which could time out the same way forever. If it
+    did not, the service answers FAILED_PRECONDITION and we re-sync: one extra call.
+    """
+    mirror.tokens = list(committed.tokens)
 
 
 def _code(error: grpc.RpcError) -> grpc.StatusCode:
@@ -169,13 +175,13 @@ class GrpcDrafter:
                     resyncs += 1
                     sync = mirror.full_resync(session_id, committed)
                     continue
-                _failed(mirror, committed, sync)
+                _assume_done(mirror, committed)
                 raise DraftUnavailable(f"draft {self.endpoint}: {_describe(error)}") from None
         tokens = list(response.tokens)
         try:
             probs = self._checked(response, tokens, num_tokens, params)
         except InvalidRequest as error:  # a draft that answers nonsense is not used
-            _failed(mirror, committed, sync)
+            _assume_done(mirror, committed)
             raise DraftUnavailable(f"draft {self.endpoint} answered badly: {error}") from None
         if probs is not None and self.relay is not None:
             self.relay.put(session_id, probs, response.probs)
@@ -254,7 +260,7 @@ class GrpcVerifier:
                     resyncs += 1
                     sync = mirror.full_resync(session_id, committed)
                     continue
-                _failed(mirror, committed, sync)
+                _assume_done(mirror, committed)
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     # Connection lost mid-call (a restart) or no answer yet: try again,
                     # with the cache state re-checked, until the deadline.

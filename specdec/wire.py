@@ -92,7 +92,6 @@ def encode_probs(probs: torch.Tensor, column_ids: torch.Tensor | None = None
 def decode_probs(message: common_pb2.DraftProbs, num_rows: int, vocab_size: int,
                  field: str = "draft_probs") -> torch.Tensor:
     """Dense [num_rows, vocab_size] fp32 q; InvalidRequest on any inconsistency."""
-    out = torch.zeros(num_rows, vocab_size, dtype=torch.float32)
     layout = message.WhichOneof("layout")
     if layout == "dense":
         dense = message.dense
@@ -101,18 +100,23 @@ def decode_probs(message: common_pb2.DraftProbs, num_rows: int, vocab_size: int,
             raise InvalidRequest(f"{field}.dense holds {values.numel()} values for "
                                  f"{dense.num_rows} rows; expected {num_rows} equal rows")
         width = values.numel() // num_rows
+        rows = values.view(num_rows, width)
         if dense.column_ids:
             columns = _ints(dense.column_ids, f"{field}.dense.column_ids")
             if columns.numel() != width:
                 raise InvalidRequest(f"{field}.dense.column_ids names {columns.numel()} "
                                      f"columns for rows of {width} values")
+            _check_ids(columns, vocab_size, f"{field}.dense.column_ids")
+            out = torch.zeros(num_rows, vocab_size, dtype=torch.float32)
+            out[:, columns] = rows
+        elif width > vocab_size:
+            raise InvalidRequest(f"{field}.dense rows of {width} values exceed the "
+                                 f"vocabulary of {vocab_size}")
+        elif width == vocab_size:
+            return rows  # the common case: same vocabulary, nothing to scatter
         else:
-            if width > vocab_size:
-                raise InvalidRequest(f"{field}.dense rows of {width} values exceed the "
-                                     f"vocabulary of {vocab_size}")
-            columns = torch.arange(width)
-        _check_ids(columns, vocab_size, f"{field}.dense.column_ids")
-        out[:, columns] = values.view(num_rows, width)
+            out = torch.zeros(num_rows, vocab_size, dtype=torch.float32)
+            out[:, :width] = rows
     elif layout == "sparse":
         sparse = message.sparse
         ids = _ints(sparse.ids, f"{field}.sparse.ids")
@@ -124,6 +128,7 @@ def decode_probs(message: common_pb2.DraftProbs, num_rows: int, vocab_size: int,
                                  f"{int(lengths.sum())} entries, {ids.numel()} ids and "
                                  f"{values.numel()} values; expected {num_rows} rows")
         _check_ids(ids, vocab_size, f"{field}.sparse.ids")
+        out = torch.zeros(num_rows, vocab_size, dtype=torch.float32)
         out[torch.repeat_interleave(torch.arange(num_rows), lengths), ids] = values
     else:
         raise InvalidRequest(f"{field} is required for a sampled request with draft tokens")
@@ -134,7 +139,8 @@ def _floats(raw: bytes, field: str) -> torch.Tensor:
     if len(raw) % 4:
         raise InvalidRequest(f"{field} must be whole float32 values")
     values = torch.from_numpy(np.frombuffer(raw, dtype=_F32).astype(np.float32))
-    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+    # One pass: NaN fails `>= 0`, and +inf is the only value left to exclude.
+    if not bool((values >= 0).all()) or bool(torch.isinf(values).any()):
         raise InvalidRequest(f"{field} must be finite and non-negative")
     return values
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +103,11 @@ class Services:
 class DelayInterceptor(grpc.ServerInterceptor):
     """Sleeps before every call of one method: a slow service."""
 
-    def __init__(self, method: str, delay_s: float) -> None:
+    def __init__(self, method: str, delay_s: float,
+                 when: Callable[[Any], bool] = lambda request: True) -> None:
         self.method = method
         self.delay_s = delay_s
+        self.when = when
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = continuation(details)
@@ -114,7 +116,8 @@ class DelayInterceptor(grpc.ServerInterceptor):
         inner = handler.unary_unary
 
         def delayed(request: Any, context: Any) -> Any:
-            time.sleep(self.delay_s)
+            if self.when(request):
+                time.sleep(self.delay_s)
             return inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(

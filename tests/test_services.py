@@ -259,6 +259,20 @@ def test_slow_draft_is_skipped_and_output_stays_exact(own_services, models) -> N
     assert response.stats.degraded
 
 
+def test_draft_catches_up_after_a_slow_prefill(own_services, models) -> None:
+    """The first Propose (the prompt's prefill) misses its deadline but completes on the
+    draft; later rounds continue from there instead of re-sending the prompt forever."""
+    settings = CoordinatorSettings(draft_timeout_s=0.1, draft_backoff_initial_s=0.2,
+                                   draft_backoff_max_s=0.2)
+    slow_prefill = DelayInterceptor("Propose", 0.3,
+                                    when=lambda r: r.sync.committed_position == 0)
+    stack = own_services(settings=settings, draft_interceptors=[slow_prefill],
+                         target_interceptors=[DelayInterceptor("Verify", 0.01)])
+    response = stack.stub.Generate(request(max_new_tokens=60, k=3), timeout=30)
+    assert list(response.token_ids) == target_only(models[0], PROMPT, 60)
+    assert response.stats.degraded and response.stats.draft_tokens > 0
+
+
 def test_target_down_is_unavailable_naming_the_endpoint(own_services) -> None:
     stack = own_services(settings=CoordinatorSettings(target_timeout_s=1.0))
     stack.stop_target()
