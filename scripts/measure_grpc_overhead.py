@@ -11,7 +11,8 @@ end to end through the coordinator.
 Model time differs between runs (this is a shared CPU), so the overhead is measured as
 the time each round spends outside the model forwards: wait - forward, summed over
 Propose and Verify. In-process that is sampling and bookkeeping; over gRPC it adds
-serialization, the network stack and the services' request handling. Prints medians.
+serialization, the network stack and the services' request handling. Tracing is off
+in the services here (its cost is measured separately). Prints medians.
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ def main() -> int:
     stack = start_stack(service_args=["--target-model", models.DEFAULT_TARGET,
                                       "--draft-model", draft_path,
                                       "--torch-threads", str(args.threads)],
-                        log_dir=log_dir)
+                        log_dir=log_dir,
+                        env={"SPECDEC_METRICS_PORT": "0", "SPECDEC_TRACING": "off"})
     end_to_end: dict[str, list[float]] = {}
     try:
         stack.wait_healthy(300)

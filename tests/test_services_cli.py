@@ -43,7 +43,9 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
     target, draft = tiny_pair
     ports = {role: free_port() for role in ("coordinator", "draft", "target")}
-    env = {**os.environ, "SPECDEC_TORCH_THREADS": "1"}
+    # Any free metrics ports and no trace files: other stacks may run beside this one.
+    env = {**os.environ, "SPECDEC_TORCH_THREADS": "1", "SPECDEC_METRICS_PORT": "0",
+           "SPECDEC_TRACING": "off"}
     up = subprocess.Popen(
         [*SPECDEC, "up", "--target-model", str(target), "--draft-model", str(draft),
          "--log-dir", str(tmp_path / "logs"), "--startup-timeout-s", "120",

@@ -7,6 +7,7 @@ both the speed-up and that speculation did not change a single token.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -43,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="specdec-demo-"))
     args.log_dir = str(log_dir)
     console.print(f"starting draft, target and coordinator (logs in {log_dir}) ...")
-    stack = start(args)
+    # A throwaway stack: any free metrics ports, so it runs beside `specdec up`.
+    stack = start(args, env={"SPECDEC_METRICS_PORT": os.environ.get("SPECDEC_METRICS_PORT")
+                             or "0"})
     try:
         endpoint = stack.endpoint("coordinator")
         for role in ("coordinator", "draft", "target"):

@@ -47,11 +47,11 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C does
 
 
-def start(args: argparse.Namespace) -> Stack:
+def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
     signal.signal(signal.SIGTERM, _interrupt)
     ports = {role: getattr(args, f"{role}_port") for role in ("coordinator", "draft", "target")}
     stack = start_stack("127.0.0.1", ports, service_args(args),
-                        log_dir=Path(args.log_dir) if args.log_dir else None)
+                        log_dir=Path(args.log_dir) if args.log_dir else None, env=env)
     try:
         stack.wait_healthy(args.startup_timeout_s)
     except BaseException:
