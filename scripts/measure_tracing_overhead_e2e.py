@@ -102,6 +102,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--prompt", default="",
+                        help="prompt text (needs the target's tokenizer); default: fixed ids")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="specdec-overhead-e2e-"))
@@ -109,9 +111,13 @@ def main() -> int:
                      else tiny_models(root))
     stacks = {mode: start(mode, root, target, draft) for mode in MODES}
     request = coordinator_pb2.GenerateRequest(
-        prompt_token_ids=[1, 17, 33, 5, 9, 12, 40, 3], max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens,
         sampling=common_pb2.SamplingParams(temperature=0.8, seed=1234),
         speculation=coordinator_pb2.SpeculationParams(num_draft_tokens=args.num_draft_tokens))
+    if args.prompt:
+        request.prompt = args.prompt
+    else:
+        request.prompt_token_ids.extend([1, 17, 33, 5, 9, 12, 40, 3])
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     cpu: dict[str, float] = dict.fromkeys(MODES, 0.0)
     rounds = 0
