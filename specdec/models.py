@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,12 @@ def _smollm2_gguf_path() -> Path:
     return Path(spec.origin).parent / _GGUF_NAME
 
 
+def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    assert isinstance(token_id, int), token
+    return token_id
+
+
 def prepare_smollm2(progress: bool = True) -> Path:
     """Convert the embedded GGUF into <cache>/smollm2-135m-instruct once; return the dir."""
     out_dir = model_cache_dir() / DEFAULT_TARGET
@@ -89,8 +100,8 @@ def prepare_smollm2(progress: bool = True) -> Path:
         config_dict = gguf_model.config.to_dict()
         config_dict.pop("quantization_config", None)
         config = LlamaConfig(**config_dict)
-        config.eos_token_id = tokenizer.convert_tokens_to_ids(_SMOLLM2_EOS)
-        config.bos_token_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        config.eos_token_id = _token_id(tokenizer, _SMOLLM2_EOS)
+        config.bos_token_id = _token_id(tokenizer, "<|im_start|>")
         model = LlamaForCausalLM(config)
         model.load_state_dict(gguf_model.state_dict(), strict=False)
         model.tie_weights()
@@ -125,7 +136,7 @@ def resolve(name_or_path: str, progress: bool = True) -> Path | str:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     token_map: torch.Tensor | None  # draft-vocab id -> target id, for reduced-vocab drafts
     name: str
@@ -135,7 +146,7 @@ def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
                    progress: bool = True) -> LoadedModel:
     source = resolve(name_or_path, progress)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
     token_map = None
     tokenizer = None
     source_path = Path(source)

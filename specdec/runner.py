@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
 from specdec.history import TokenHistory
@@ -48,7 +48,7 @@ class ExtendResult:
 class ModelRunner:
     """Serialises forwards on one model; sessions are keyed by the caller's session id."""
 
-    def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
+    def __init__(self, model: PreTrainedModel, target_vocab_size: int | None = None,
                  token_map: torch.Tensor | None = None, kv_budget_bytes: int | None = None,
                  max_context: int | None = None) -> None:
         self.model = model

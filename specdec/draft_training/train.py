@@ -12,7 +12,6 @@ import json
 import math
 import random
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -33,15 +32,16 @@ def load_records(data_dir: Path) -> list[Record]:
 
 def build_token_map(records: list[Record], size: int, always: list[int]) -> list[int]:
     """Target ids the draft can propose: the most probable mass in the target's outputs."""
-    mass: Counter[int] = Counter()
+    mass: dict[int, float] = {}
     for record in records:
         for ids, probs in zip(record["topk_ids"].tolist(), record["topk_probs"].float().tolist(),
                               strict=True):
             for token, prob in zip(ids, probs, strict=True):
-                mass[token] += prob
+                mass[token] = mass.get(token, 0.0) + prob
         for token in record["prompt_ids"].tolist():  # so prompts lose little as inputs
-            mass[token] += 0.1
-    chosen = [token for token in always if token not in mass] + [t for t, _ in mass.most_common()]
+            mass[token] = mass.get(token, 0.0) + 0.1
+    chosen = [token for token in always if token not in mass] + sorted(mass, key=mass.__getitem__,
+                                                                   reverse=True)
     return sorted(set(chosen[:size]) | set(always))
 
 
