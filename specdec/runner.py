@@ -7,6 +7,7 @@ position and its fingerprint is checked before anything is computed.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections import OrderedDict
@@ -60,6 +61,7 @@ class ModelRunner:
         self.kv_budget_bytes = kv_budget_bytes
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.RLock()
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     # -- session bookkeeping -------------------------------------------------------------
     @property
@@ -137,7 +139,7 @@ class ModelRunner:
                 session.cache.crop(committed_position - len(session.history))
             session.history.truncate(committed_position)
             started = time.perf_counter()
-            logits = self._forward(session, tokens)[-num_logits:]
+            logits = self._forward(session, tokens, num_logits)[-num_logits:]
             forward_s = time.perf_counter() - started
             session.history.extend(tokens)
             return ExtendResult(logits, len(session.history), forward_s, len(tokens))
@@ -175,13 +177,16 @@ class ModelRunner:
         return session
 
     @torch.inference_mode()
-    def _forward(self, session: Session, tokens: list[int]) -> torch.Tensor:
+    def _forward(self, session: Session, tokens: list[int], num_logits: int) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         ids = self.vocab.to_model_inputs(ids)
         if session.cache is None:
             session.cache = DynamicCache(config=self.model.config)
         start = len(session.history)
         positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
+        # Only the last num_logits rows go through the LM head (a prefill needs one row,
+        # not one per prompt token: 49152 x 576 per row for SmolLM2).
+        kwargs = {"logits_to_keep": num_logits} if self._logits_to_keep else {}
         out = self.model(input_ids=ids, cache=session.cache, position_ids=positions,
-                         use_cache=True)
+                         use_cache=True, **kwargs)
         return self.vocab.restrict(out.logits[0]).float()
