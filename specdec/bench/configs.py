@@ -1,0 +1,100 @@
+"""What one benchmark run measures: systems x draft lengths x sampling modes, and records."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from specdec.sampling import SamplingParams
+
+# target-only baselines, transformers' assisted generation, and specdec's two shapes.
+TARGET_ONLY = "target-only"
+HF_GENERATE = "hf-generate"
+HF_ASSISTED = "hf-assisted"
+LOCAL = "specdec-local"
+GRPC = "specdec-grpc"
+SYSTEMS = (TARGET_ONLY, HF_GENERATE, HF_ASSISTED, LOCAL, GRPC)
+SPECULATIVE = (LOCAL, GRPC)
+LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive")
+POLICIES = ("adaptive", "heuristic")  # besides fixed integers
+
+
+@dataclass(frozen=True)
+class SamplingMode:
+    name: str
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def params(self, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed)
+
+
+MODES = {
+    "greedy": SamplingMode("greedy"),
+    "t1": SamplingMode("t1", temperature=1.0),
+    "top-p": SamplingMode("top-p", temperature=1.0, top_p=0.9),
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    system: str
+    length: str = "-"  # "1".."16", "adaptive", "heuristic", or "-" without a draft
+
+    @property
+    def name(self) -> str:
+        return self.system if self.length == "-" else f"{self.system} k={self.length}"
+
+    @property
+    def fixed_length(self) -> int | None:
+        return int(self.length) if self.length.isdigit() else None
+
+
+def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[BenchConfig]:
+    for system in systems:
+        if system not in SYSTEMS:
+            raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    for length in lengths:
+        if not (length.isdigit() and int(length) > 0) and length not in POLICIES:
+            raise ValueError(f"draft length {length!r}: a positive integer, adaptive or heuristic")
+    configs: list[BenchConfig] = []
+    for system in systems:
+        if system in SPECULATIVE:
+            configs += [BenchConfig(system, length) for length in lengths
+                        if not (system == GRPC and length == "heuristic")]
+        else:
+            configs.append(BenchConfig(system))
+    return configs
+
+
+@dataclass
+class RunRecord:
+    """One generation: one config, one sampling mode, one prompt, one repeat."""
+
+    config: str
+    system: str
+    length: str
+    mode: str
+    prompt_id: str
+    category: str
+    repeat: int
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+    rounds: int = 0  # target forwards, the prefill included
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_s: float = 0.0  # wait on the draft (model + transport + serialisation)
+    draft_forward_s: float = 0.0  # model time inside the draft
+    verify_s: float = 0.0
+    verify_forward_s: float = 0.0
+    wire_bytes: int = 0
+    chosen: list[int] = field(default_factory=list)  # per-round draft lengths (local only)
+    token_ids: list[int] = field(default_factory=list)  # greedy runs only
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)

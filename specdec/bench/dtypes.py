@@ -1,0 +1,45 @@
+"""Load the pair in a given numeric format for the cost comparison.
+
+"float32", "bfloat16", "float16": weights and activations in that dtype.
+"int8": float32 model whose nn.Linear layers (LM head included) are replaced by
+torch's dynamic int8 quantisation (int8 weights, activations quantised per call).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdec.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from specdec.bench.harness import BenchSettings
+
+FORMATS = ("float32", "bfloat16", "float16", "int8")
+
+
+def quantize_int8(model: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated, still works
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear},
+                                                      dtype=torch.qint8)
+
+
+def load_runners(settings: BenchSettings, name: str) -> tuple[ModelRunner, ModelRunner]:
+    from specdec.models import load_causal_lm, parse_dtype
+
+    if name not in FORMATS and name not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}")
+    dtype = torch.float32 if name == "int8" else parse_dtype(name)
+    cpu = torch.device("cpu")
+    target = load_causal_lm(settings.target_model, cpu, dtype, progress=False)
+    draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=False)
+    target_model: Any = target.model
+    draft_model: Any = draft.model
+    if name == "int8":
+        target_model, draft_model = quantize_int8(target_model), quantize_int8(draft_model)
+    vocab = int(target_model.config.vocab_size)
+    return (ModelRunner(target_model),
+            ModelRunner(draft_model, target_vocab_size=vocab, token_map=draft.token_map))

@@ -1,0 +1,284 @@
+"""Run every configuration on the same prompts, interleaved, and collect RunRecords.
+
+For each repeat, prompt and sampling mode, every configuration runs back to back, so
+slow phases of a shared machine hit all of them alike. The gRPC configurations talk to
+three `specdec serve` processes started for the run (the deployment shape); the others
+run in this process on the same weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from specdec.adaptive import CostModel
+from specdec.bench import baselines, systems
+from specdec.bench.configs import (
+    GRPC,
+    HF_ASSISTED,
+    HF_GENERATE,
+    LENGTHS,
+    MODES,
+    SYSTEMS,
+    BenchConfig,
+    RunRecord,
+    build_configs,
+)
+from specdec.bench.costs import CostCurve, measure_costs
+from specdec.bench.prompts import BenchPrompt, chat_encoder, load_prompts, select
+from specdec.local import LocalDrafter, LocalVerifier
+from specdec.runner import ModelRunner
+
+WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
+
+
+@dataclass
+class BenchSettings:
+    target_model: str = "smollm2-135m-instruct"
+    draft_model: str = "specdec-draft"
+    dtype: str = "float32"
+    torch_threads: int = 0
+    modes: tuple[str, ...] = tuple(MODES)
+    systems: tuple[str, ...] = SYSTEMS
+    lengths: tuple[str, ...] = LENGTHS
+    per_category: int | None = None  # None: every prompt
+    repeats: int = 2
+    max_new_tokens: int = 96
+    max_length: int = 8  # adaptive's longest draft
+    calibration_repeats: int = 7
+    compare_dtypes: tuple[str, ...] = ()
+    warmup_tokens: int = 40
+    progress: bool = True
+    startup_timeout_s: float = 300.0
+
+
+@dataclass
+class BenchModels:
+    """The pair, loaded once; tests pass tiny random models instead."""
+
+    target: Any  # transformers PreTrainedModel
+    draft: Any
+    token_map: torch.Tensor | None
+    tokenizer: Any | None
+    eos: tuple[int, ...]
+    draft_source: str = ""  # a directory FullVocabDraft can load (reduced-vocab drafts)
+
+
+class GrpcEndpoint(Protocol):
+    stub: Any
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class BenchResult:
+    settings: BenchSettings
+    costs: CostCurve
+    records: list[RunRecord]
+    dtype_costs: list[CostCurve] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"settings": asdict(self.settings), "meta": self.meta,
+                "costs": self.costs.to_dict(),
+                "dtype_costs": [curve.to_dict() for curve in self.dtype_costs],
+                "records": [record.to_dict() for record in self.records]}
+
+
+def stable_seed(*parts: object) -> int:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def load_models(settings: BenchSettings) -> BenchModels:
+    from specdec.model_service import model_info
+    from specdec.models import load_causal_lm, parse_dtype, resolve
+
+    dtype = parse_dtype(settings.dtype)
+    cpu = torch.device("cpu")
+    target = load_causal_lm(settings.target_model, cpu, dtype, progress=settings.progress)
+    draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=settings.progress)
+    eos = model_info(settings.target_model).eos_token_ids
+    return BenchModels(target.model, draft.model, draft.token_map, target.tokenizer, eos,
+                       str(resolve(settings.draft_model)))
+
+
+class ProcessStack:
+    """The three services as separate `specdec serve` processes on free ports."""
+
+    def __init__(self, settings: BenchSettings) -> None:
+        import grpc
+
+        from specdec.proto.specdec.v1 import coordinator_pb2_grpc
+        from specdec.stack import start_stack
+
+        args = ["--target-model", settings.target_model, "--draft-model", settings.draft_model,
+                "--dtype", settings.dtype, "--torch-threads", str(settings.torch_threads),
+                "--max-draft-tokens", str(max(16, settings.max_length))]
+        self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+        self.stack = start_stack("127.0.0.1", {}, args, log_dir=self.log_dir)
+        try:
+            self.stack.wait_healthy(settings.startup_timeout_s)
+        except BaseException:
+            self.stack.stop()
+            raise
+        self.channel = grpc.insecure_channel(self.stack.endpoint("coordinator"))
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.stack.stop()
+
+
+class Bench:
+    def __init__(self, settings: BenchSettings, models: BenchModels,
+                 grpc_factory: Callable[[], GrpcEndpoint] | None = None) -> None:
+        self.settings = settings
+        self.models = models
+        self.configs = build_configs(settings.systems, settings.lengths)
+        vocab = int(models.target.config.vocab_size)
+        self.target_runner = ModelRunner(models.target)
+        self.draft_runner = ModelRunner(models.draft, target_vocab_size=vocab,
+                                        token_map=models.token_map)
+        self.drafter = LocalDrafter(self.draft_runner)
+        self.verifier = LocalVerifier(self.target_runner)
+        self.local_costs = CostModel()  # like the coordinator's: shared by every session
+        self.hf_draft: Any | None = None
+        if any(c.system == HF_ASSISTED for c in self.configs):
+            dtype = next(models.draft.parameters()).dtype
+            self.hf_draft = baselines.hf_draft(models.draft, models.token_map, vocab,
+                                               models.draft_source, dtype)
+        self.grpc: GrpcEndpoint | None = None
+        if any(c.system == GRPC for c in self.configs):
+            self.grpc = (grpc_factory or (lambda: ProcessStack(settings)))()
+        self.encode = chat_encoder(models.tokenizer)
+
+    def close(self) -> None:
+        if self.grpc is not None:
+            self.grpc.close()
+
+    def run_one(self, config: BenchConfig, mode_name: str, prompt_ids: list[int],
+                max_new_tokens: int, seed: int) -> RunRecord:
+        mode = MODES[mode_name]
+        if config.system in (HF_GENERATE, HF_ASSISTED):
+            return baselines.run_hf(config, mode, self.models.target, self.hf_draft,
+                                    prompt_ids, max_new_tokens, self.models.eos, seed)
+        if config.system == GRPC:
+            assert self.grpc is not None
+            return systems.run_grpc(config, mode, self.grpc.stub, prompt_ids,
+                                    max_new_tokens, seed)
+        return systems.run_local(config, mode, self.drafter, self.verifier, prompt_ids,
+                                 max_new_tokens, self.models.eos, seed, self.local_costs,
+                                 self.settings.max_length)
+
+    def warmup(self, advance: Callable[[str], None]) -> None:
+        """First calls pay for allocation, kernel choice and channels; adaptive sweeps."""
+        ids = self.encode(WARMUP_PROMPT)
+        for config in self.configs:
+            advance(f"warm-up {config.name}")
+            tokens = self.settings.warmup_tokens if config.length == "adaptive" else 8
+            for mode in self.settings.modes:
+                self.run_one(config, mode, ids, tokens, stable_seed("warmup", mode))
+
+    def run(self, prompts: list[BenchPrompt], advance: Callable[[str], None]) -> list[RunRecord]:
+        records: list[RunRecord] = []
+        for repeat in range(self.settings.repeats):
+            for prompt in prompts:
+                ids = self.encode(prompt.text)
+                for mode in self.settings.modes:
+                    seed = stable_seed(prompt.id, repeat, mode)
+                    for config in self.configs:
+                        advance(f"{mode} {prompt.id} {config.name}")
+                        record = self.run_one(config, mode, ids, self.settings.max_new_tokens,
+                                              seed)
+                        record.prompt_id, record.category = prompt.id, prompt.category
+                        record.repeat = repeat
+                        records.append(record)
+        return records
+
+
+def machine_info() -> dict[str, Any]:
+    import os
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo").read().splitlines():  # noqa: SIM115
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "load_average": list(os.getloadavg()),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def run_bench(settings: BenchSettings, models: BenchModels | None = None,
+              grpc_factory: Callable[[], GrpcEndpoint] | None = None,
+              prompts: list[BenchPrompt] | None = None,
+              dtype_models: Callable[[str], tuple[ModelRunner, ModelRunner]] | None = None
+              ) -> BenchResult:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    started = time.perf_counter()
+    start_machine = machine_info()
+    prompts = select(prompts if prompts is not None else load_prompts(), settings.per_category)
+    models = models or load_models(settings)
+    columns = (TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, disable=not settings.progress) as bar:
+        setup = bar.add_task("loading / starting services", total=None)
+        bench = Bench(settings, models, grpc_factory)
+        try:
+            per_pass = len(bench.configs) * len(settings.modes)
+            calibration = 10 + 10 * len(settings.compare_dtypes)
+            total = calibration + len(bench.configs) + per_pass * len(prompts) * settings.repeats
+            bar.update(setup, total=total, completed=0, description="calibrating costs")
+
+            def advance(description: str) -> None:
+                bar.update(setup, advance=1, description=description[:44])
+
+            costs = measure_costs(bench.target_runner, bench.draft_runner, label=settings.dtype,
+                                  repeats=settings.calibration_repeats,
+                                  progress=lambda: advance(f"calibrating {settings.dtype}"))
+            dtype_costs = compare_dtypes(settings, dtype_models, advance)
+            bench.warmup(advance)
+            records = bench.run(prompts, advance)
+        finally:
+            bench.close()
+    meta = {"machine": machine_info(), "machine_at_start": start_machine, "prompts": len(prompts),
+            "configs": [c.name for c in bench.configs], "wall_s": time.perf_counter() - started}
+    return BenchResult(settings, costs, records, dtype_costs, meta)
+
+
+def compare_dtypes(settings: BenchSettings,
+                   loader: Callable[[str], tuple[ModelRunner, ModelRunner]] | None,
+                   advance: Callable[[str], None]) -> list[CostCurve]:
+    from specdec.bench.dtypes import load_runners
+
+    curves = []
+    for name in settings.compare_dtypes:
+        target, draft = loader(name) if loader is not None else load_runners(settings, name)
+        step = functools.partial(advance, f"costs {name}")
+        curves.append(measure_costs(target, draft, label=name,
+                                    repeats=settings.calibration_repeats, progress=step))
+    return curves

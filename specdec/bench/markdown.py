@@ -1,0 +1,138 @@
+"""The summary as markdown tables: costs, per configuration, per category, per round."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdec.bench.configs import GRPC, HF_ASSISTED, TARGET_ONLY
+from specdec.bench.report import ALL
+
+
+def _f(value: Any, fmt: str = "{:.2f}", missing: str = "-") -> str:
+    return missing if value is None else fmt.format(value)
+
+
+def _load(machine: dict[str, Any]) -> str:
+    return "/".join(f"{x:.1f}" for x in machine.get("load_average", [])) or "?"
+
+
+def _cost(seconds: float | None, over_floor: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.1f} ({_f(over_floor, '{:.1f}')}x)"
+
+
+def cost_table(curves: list[dict[str, Any]]) -> list[str]:
+    ks = sorted({int(k) for c in curves for k in c["t_target_s"]})
+    head = "| format | T_draft(1) ms | " + " | ".join(f"T_target({k}) ms" for k in ks) + " |"
+    lines = [head, "|" + "---|" * (len(ks) + 2)]
+    for c in curves:
+        over = c.get("t_target_over_floor", {})
+        cells = [_cost(c["t_target_s"].get(str(k)), over.get(str(k))) for k in ks]
+        draft = _cost(c["t_draft_1_s"], c.get("t_draft_over_floor"))
+        lines.append(f"| {c['label']} | {draft} | " + " | ".join(cells) + " |")
+    floor = curves[0]
+    lines += ["", f"(N x) = multiple of the bandwidth floor: weight bytes / "
+              f"{floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
+              f"(target {floor['target_floor_s'] * 1000:.1f} ms, "
+              f"draft {floor['draft_floor_s'] * 1000:.1f} ms in {floor['label']}). "
+              f"Context {floor['context']} tokens, medians."]
+    return lines
+
+
+def config_table(mode: dict[str, Any]) -> list[str]:
+    lines = ["| configuration | tokens/s (range) | speedup | accept rate | mean acc. len | "
+             "k | alpha | bound S | achieved/bound | greedy match |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, entry in mode.items():
+        s = entry[ALL]
+        low, high = s["tokens_per_s_range"]
+        lines.append(
+            f"| {name} | {s['tokens_per_s']:.2f} ({low:.2f}-{high:.2f}) | "
+            f"{_f(s.get('speedup'), '{:.2f}x')} | {_f(s.get('acceptance_rate'), '{:.1%}')} | "
+            f"{_f(s.get('mean_accepted_length'))} | {_f(s.get('mean_draft_length'))} | "
+            f"{_f(s.get('alpha'))} | {_f(s.get('bound'), '{:.2f}x')} | "
+            f"{_f(s.get('bound_ratio'))} | {_f(s.get('greedy_match'), '{:.0%}')} |")
+    return lines
+
+
+def category_table(mode: dict[str, Any]) -> list[str]:
+    categories = [c for c in next(iter(mode.values())) if c not in ("system", "length", ALL)]
+    lines = ["| configuration | " + " | ".join(categories) + " |",
+             "|---|" + "---|" * len(categories)]
+    for name, entry in mode.items():
+        cells = []
+        for category in categories:
+            s = entry.get(category, {})
+            cell = f"{_f(s.get('tokens_per_s'), '{:.2f}')} tok/s"
+            if s.get("speedup") is not None and entry["system"] != TARGET_ONLY:
+                cell += f", {s['speedup']:.2f}x"
+            if s.get("alpha") is not None:
+                cell += f", a={s['alpha']:.2f}"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def round_table(mode: dict[str, Any]) -> list[str]:
+    lines = ["| configuration | rounds | tokens/round | draft model ms | draft wait - model ms | "
+             "target model ms | target wait - model ms | other ms | bytes/round |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, entry in mode.items():
+        s = entry[ALL]
+        p = s.get("per_round")
+        if not p:
+            continue
+        lines.append(
+            f"| {name} | {s['rounds']} | {s['tokens_per_round']:.2f} | "
+            f"{p['draft_model_ms']:.1f} | {p['draft_transport_ms']:.1f} | "
+            f"{p['target_model_ms']:.1f} | {p['target_transport_ms']:.1f} | "
+            f"{p['other_ms']:.1f} | {p['bytes']:.0f} |")
+    return lines
+
+
+def goals(summary: dict[str, Any]) -> list[str]:
+    greedy = summary.get("greedy", {})
+    grpc = greedy.get(f"{GRPC} k=adaptive", {}).get(ALL)
+    hf = greedy.get(HF_ASSISTED, {}).get(ALL)
+    if not grpc:
+        return []
+    ratio, speedup = grpc.get("bound_ratio"), grpc.get("speedup")
+    lines = ["| goal (greedy, specdec over gRPC, adaptive) | measured | met |", "|---|---|---|"]
+    if ratio is not None:
+        lines.append(f"| >= 0.9 of the bound at its chosen length | {ratio:.2f} | "
+                     f"{'yes' if ratio >= 0.9 else 'no'} |")
+    if speedup is not None:
+        lines.append(f"| >= 1.5x target-only | {speedup:.2f}x | "
+                     f"{'yes' if speedup >= 1.5 else 'no'} |")
+    if hf:
+        faster = grpc["tokens_per_s"] > hf["tokens_per_s"]
+        lines.append(f"| faster than transformers assisted generation | "
+                     f"{grpc['tokens_per_s']:.2f} vs {hf['tokens_per_s']:.2f} tok/s | "
+                     f"{'yes' if faster else 'no'} |")
+    return lines
+
+
+def render(result: dict[str, Any], summary: dict[str, Any], command: str = "") -> str:
+    settings, meta = result["settings"], result["meta"]
+    machine = meta["machine"]
+    out = ["# specdec bench", "",
+           f"- command: `{command or 'specdec bench'}`",
+           f"- machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
+           f"({machine['torch_threads']} threads), {machine['date']}; load average "
+           f"{_load(meta.get('machine_at_start', machine))} at start, {_load(machine)} at end "
+           "(other jobs on the machine inflate every time alike)",
+           f"- pair: target `{settings['target_model']}`, draft `{settings['draft_model']}`, "
+           f"dtype {settings['dtype']}",
+           f"- {meta['prompts']} prompts x {settings['repeats']} repeats, "
+           f"max_new_tokens {settings['max_new_tokens']}, modes {', '.join(settings['modes'])}; "
+           f"wall {meta['wall_s'] / 60:.1f} min", "",
+           "## Measured costs", "", *cost_table([result["costs"], *result["dtype_costs"]]), ""]
+    goal_lines = goals(summary)
+    if goal_lines:
+        out += ["## Goals", "", *goal_lines, ""]
+    for mode, configs in summary.items():
+        out += [f"## {mode}", "", *config_table(configs), "", f"### {mode}: per category", "",
+                *category_table(configs), "", f"### {mode}: per round", "",
+                *round_table(configs), ""]
+    return "\n".join(out)

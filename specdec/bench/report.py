@@ -1,0 +1,123 @@
+"""RunRecords -> per configuration and category statistics (the JSON summary).
+
+tokens/s of a group in one repeat = its new tokens / its wall seconds; the median and
+range are over repeats, the quartiles over prompts. For speculative runs:
+- acceptance rate = accepted / drafted; mean accepted length = 1 + accepted / drafting
+  rounds (vLLM's meanings);
+- k = drafted tokens per round and tokens per round (all rounds), alpha = the per-token
+  acceptance with E[tokens](alpha, k) = tokens per round;
+- bound = tokens per round * T_target(1) / (k * T_draft(1) + T_target(k + 1)) with the
+  calibrated costs: S(gamma) of shared/REFERENCE.md section 2 at the acceptance and the
+  draft length the run actually had (for adaptive, the mean length it chose);
+- ratio = achieved speedup over target-only / bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from specdec.bench.configs import SPECULATIVE, TARGET_ONLY, RunRecord
+from specdec.bench.costs import CostCurve, alpha_from_tokens_per_round
+
+ALL = "all"
+
+
+def _rate(records: Iterable[RunRecord]) -> float:
+    rows = list(records)
+    seconds = sum(r.seconds for r in rows)
+    return sum(r.new_tokens for r in rows) / seconds if seconds > 0 else 0.0
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]] if values else [0.0, 0.0]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
+def group_stats(rows: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
+    by_repeat: dict[int, list[RunRecord]] = defaultdict(list)
+    for row in rows:
+        by_repeat[row.repeat].append(row)
+    rates = [_rate(group) for _, group in sorted(by_repeat.items())]
+    out: dict[str, Any] = {
+        "runs": len(rows), "new_tokens": sum(r.new_tokens for r in rows),
+        "tokens_per_s": statistics.median(rates), "tokens_per_s_range": [min(rates), max(rates)],
+        "tokens_per_s_repeats": rates,
+        "prompt_tokens_per_s_iqr": _quartiles([r.tokens_per_s for r in rows]),
+    }
+    rounds = sum(r.rounds for r in rows)
+    if not rounds:
+        return out
+    drafted = sum(r.draft_tokens for r in rows)
+    accepted = sum(r.accepted_tokens for r in rows)
+    drafts = sum(r.num_drafts for r in rows)
+    tokens_per_round = out["new_tokens"] / rounds
+    k = drafted / rounds
+    out.update({
+        "rounds": rounds, "tokens_per_round": tokens_per_round,
+        "mean_draft_length": k if drafted else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+        "alpha": alpha_from_tokens_per_round(tokens_per_round, k) if drafted else None,
+    })
+    if drafted:
+        modelled_s = k * curve.draft_s + curve.t_target(k + 1)
+        out["bound"] = tokens_per_round * curve.t_target(1) / modelled_s
+    if any(r.verify_s for r in rows):
+        per_round = {
+            "draft_model_ms": sum(r.draft_forward_s for r in rows),
+            "draft_transport_ms": sum(r.draft_s - r.draft_forward_s for r in rows),
+            "target_model_ms": sum(r.verify_forward_s for r in rows),
+            "target_transport_ms": sum(r.verify_s - r.verify_forward_s for r in rows),
+            "other_ms": sum(r.seconds - r.draft_s - r.verify_s for r in rows),
+        }
+        out["per_round"] = {key: 1000 * value / rounds for key, value in per_round.items()}
+        out["per_round"]["bytes"] = sum(r.wire_bytes for r in rows) / rounds
+    chosen = Counter(k for r in rows for k in r.chosen)
+    if chosen:
+        out["chosen_lengths"] = {str(k): n for k, n in sorted(chosen.items())}
+    return out
+
+
+def _greedy_match(rows: list[RunRecord],
+                  baseline: dict[tuple[str, int], list[int]]) -> float | None:
+    pairs = [(r.token_ids, baseline.get((r.prompt_id, r.repeat))) for r in rows if r.token_ids]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+def summarise(records: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
+    """{mode: {config: {category: stats}}} plus speedups, bound ratios and greedy match."""
+    grouped: dict[str, dict[str, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        grouped[record.mode][record.config].append(record)
+    summary: dict[str, Any] = {}
+    for mode, configs in grouped.items():
+        baseline_rows = configs.get(TARGET_ONLY, [])
+        baseline_tokens = {(r.prompt_id, r.repeat): r.token_ids for r in baseline_rows}
+        categories = sorted({r.category for r in records})
+        mode_out: dict[str, Any] = {}
+        for name, rows in configs.items():
+            entry: dict[str, Any] = {"system": rows[0].system, "length": rows[0].length}
+            for category in [ALL, *categories]:
+                subset = [r for r in rows if category == ALL or r.category == category]
+                if not subset:
+                    continue
+                stats = group_stats(subset, curve)
+                base = [r for r in baseline_rows if category == ALL or r.category == category]
+                if base:
+                    base_stats = group_stats(base, curve)
+                    stats["speedup"] = stats["tokens_per_s"] / base_stats["tokens_per_s"]
+                    if "bound" in stats and rows[0].system in SPECULATIVE:
+                        stats["bound_ratio"] = stats["speedup"] / stats["bound"]
+                match = _greedy_match(subset, baseline_tokens) if mode == "greedy" else None
+                if match is not None:
+                    stats["greedy_match"] = match
+                entry[category] = stats
+            mode_out[name] = entry
+        summary[mode] = mode_out
+    return summary

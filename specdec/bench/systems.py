@@ -1,0 +1,86 @@
+"""specdec's own runs: target-only and speculative in-process, and over gRPC."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from specdec.adaptive import AdaptiveLength, CostModel, HeuristicLength
+from specdec.bench.configs import TARGET_ONLY, BenchConfig, RunRecord, SamplingMode
+from specdec.local import LocalDrafter, LocalVerifier
+from specdec.loop import GenerateConfig, GenerationResult, generate
+from specdec.policy import FixedLength, LengthPolicy
+
+ADAPTIVE_START = 4  # the first round's length when nothing is known yet (the server default)
+
+
+def local_policy(config: BenchConfig, costs: CostModel, greedy: bool,
+                 max_length: int) -> LengthPolicy:
+    if config.length == "adaptive":
+        return AdaptiveLength(ADAPTIVE_START, max_length, costs=costs,
+                              prior_key="greedy" if greedy else "sampled")
+    if config.length == "heuristic":
+        return HeuristicLength(ADAPTIVE_START, max_length)
+    return FixedLength(config.fixed_length or 0)
+
+
+def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
+            result: GenerationResult, seconds: float, chosen: list[int]) -> RunRecord:
+    stats = result.stats
+    return RunRecord(
+        config.name, config.system, config.length, mode.name, "", "", 0, len(prompt_ids),
+        len(result.token_ids), seconds, rounds=stats.rounds, num_drafts=stats.num_drafts,
+        draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
+        draft_s=stats.draft_s, draft_forward_s=stats.draft_forward_s, verify_s=stats.verify_s,
+        verify_forward_s=stats.verify_forward_s, wire_bytes=stats.wire_bytes, chosen=chosen,
+        token_ids=list(result.token_ids) if mode.temperature == 0 else [])
+
+
+def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
+              verifier: LocalVerifier, prompt_ids: list[int], max_new_tokens: int,
+              eos: tuple[int, ...], seed: int, costs: CostModel, max_length: int) -> RunRecord:
+    """specdec.loop in this process: target-only (k = 0) or with the draft."""
+    params = mode.params(seed)
+    speculative = config.system != TARGET_ONLY
+    policy = local_policy(config, costs, params.greedy, max_length) if speculative else None
+    gen_config = GenerateConfig(max_new_tokens=max_new_tokens, sampling=params,
+                                num_draft_tokens=0, eos_token_ids=eos)
+    started = time.perf_counter()
+    result = generate(drafter if speculative else None, verifier, prompt_ids, gen_config,
+                      policy=policy)
+    seconds = time.perf_counter() - started
+    chosen = list(getattr(policy, "chosen", []))
+    return _record(config, mode, prompt_ids, result, seconds, chosen)
+
+
+def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
+                 max_new_tokens: int, seed: int) -> Any:
+    from specdec import wire
+    from specdec.proto.specdec.v1 import coordinator_pb2
+
+    request = coordinator_pb2.GenerateRequest(
+        prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
+        sampling=wire.sampling_to_proto(mode.params(seed)))
+    adaptive = config.length == "adaptive"
+    request.speculation.num_draft_tokens = ADAPTIVE_START if adaptive else (
+        config.fixed_length or 0)
+    request.speculation.adaptive = adaptive
+    return request
+
+
+def run_grpc(config: BenchConfig, mode: SamplingMode, stub: Any, prompt_ids: list[int],
+             max_new_tokens: int, seed: int, timeout_s: float = 900.0) -> RunRecord:
+    """One Coordinator.Generate call against the three running services."""
+    request = grpc_request(config, mode, prompt_ids, max_new_tokens, seed)
+    started = time.perf_counter()
+    response = stub.Generate(request, timeout=timeout_s)
+    seconds = time.perf_counter() - started
+    stats = response.stats
+    return RunRecord(
+        config.name, config.system, config.length, mode.name, "", "", 0, len(prompt_ids),
+        len(response.token_ids), seconds, rounds=stats.rounds, num_drafts=stats.num_drafts,
+        draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
+        draft_s=stats.draft_seconds, draft_forward_s=stats.draft_forward_seconds,
+        verify_s=stats.verify_seconds, verify_forward_s=stats.verify_forward_seconds,
+        wire_bytes=stats.wire_bytes,
+        token_ids=list(response.token_ids) if mode.temperature == 0 else [])

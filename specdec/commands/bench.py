@@ -1,0 +1,118 @@
+"""`specdec bench`: target-only, transformers and specdec (in-process and over gRPC) side by
+side on the same prompts; writes bench.json, bench.md and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from specdec.config import add_setting
+
+QUICK = {"modes": "greedy", "lengths": "2,4,adaptive", "prompts_per_category": 1,
+         "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24}
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from specdec.bench.configs import LENGTHS, MODES, SYSTEMS
+
+    parser = subparsers.add_parser(
+        "bench", help="benchmark target-only, transformers and specdec side by side")
+    add_setting(parser, "--target-model", "smollm2-135m-instruct", "target model")
+    add_setting(parser, "--draft-model", "specdec-draft", "draft model")
+    add_setting(parser, "--dtype", "float32", "dtype of every system: float32, bfloat16")
+    add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
+                type=int)
+    parser.add_argument("--quick", action="store_true",
+                        help="greedy, 1 prompt per category, k in 2,4,adaptive, 32 tokens "
+                        "(under 3 minutes on 2 cores); explicit flags still win")
+    parser.add_argument("--modes", default=None,
+                        help=f"sampling modes (default: {','.join(MODES)})")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run")
+    parser.add_argument("--lengths", default=None,
+                        help=f"draft lengths (default: {','.join(LENGTHS)}; also 'heuristic')")
+    parser.add_argument("--prompts-per-category", type=int, default=None,
+                        help="first N prompts of each category (default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="passes over the prompts "
+                        "(default 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 96")
+    parser.add_argument("--max-adaptive-length", type=int, default=8,
+                        help="longest draft the adaptive policy may choose")
+    parser.add_argument("--compare-dtypes", default="",
+                        help="also measure cost curves in these formats, e.g. "
+                        "float32,bfloat16,int8")
+    parser.add_argument("--calibration-repeats", type=int, default=None)
+    parser.add_argument("--out", default="bench-out", help="output directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> object:
+    from specdec.bench.configs import LENGTHS, MODES
+    from specdec.bench.harness import BenchSettings
+
+    quick = QUICK if args.quick else {}
+
+    def pick(name: str, default: object) -> object:
+        value = getattr(args, name)
+        return value if value is not None else quick.get(name, default)
+
+    modes = _csv(str(pick("modes", ",".join(MODES))))
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    return BenchSettings(
+        target_model=args.target_model, draft_model=args.draft_model, dtype=args.dtype,
+        torch_threads=args.torch_threads, modes=modes, systems=_csv(args.systems),
+        lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),
+        per_category=pick("prompts_per_category", None),  # type: ignore[arg-type]
+        repeats=int(pick("repeats", 2)),  # type: ignore[call-overload]
+        max_new_tokens=int(pick("max_new_tokens", 96)),  # type: ignore[call-overload]
+        max_length=args.max_adaptive_length,
+        calibration_repeats=int(pick("calibration_repeats", 7)),  # type: ignore[call-overload]
+        compare_dtypes=_csv(args.compare_dtypes),
+        warmup_tokens=int(quick.get("warmup_tokens", 40)),  # type: ignore[call-overload]
+        progress=not args.no_progress)
+
+
+def write_outputs(result: object, out_dir: Path, command: str) -> dict[str, Path]:
+    from specdec.bench.markdown import render
+    from specdec.bench.plots import write_plots
+    from specdec.bench.report import summarise
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = result.to_dict()  # type: ignore[attr-defined]
+    summary = summarise(result.records, result.costs)  # type: ignore[attr-defined]
+    data["summary"] = summary
+    data["command"] = command
+    paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md"}
+    paths["json"].write_text(json.dumps(data, indent=1))
+    paths["markdown"].write_text(render(data, summary, command))
+    for index, path in enumerate(write_plots(summary, out_dir)):
+        paths[f"plot{index}"] = path
+    return paths
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the services like Ctrl-C does
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.bench.harness import run_bench
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    settings = settings_from_args(args)
+    result = run_bench(settings)  # type: ignore[arg-type]
+    argv = sys.argv[1:]
+    command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
+    paths = write_outputs(result, Path(args.out), command)
+    print((Path(args.out) / "bench.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0

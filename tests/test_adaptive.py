@@ -1,0 +1,161 @@
+"""AdaptiveLength: picks the rate-maximising draft length on simulated sessions; exactness."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from specdec.adaptive import (
+    AdaptiveLength,
+    CostModel,
+    CostTable,
+    HeuristicLength,
+    length_policy,
+)
+from specdec.bench.costs import CostCurve, expected_tokens
+from specdec.interfaces import Proposal, Verification
+from specdec.local import LocalDrafter, LocalVerifier
+from specdec.loop import GenerateConfig, generate
+from specdec.policy import FixedLength
+from specdec.runner import ModelRunner
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(policy: AdaptiveLength | HeuristicLength, clock: FakeClock, alpha: float,
+             draft_s: float, verify_s: dict[int, float], rounds: int,
+             overhead_s: float = 0.001, seed: int = 0) -> Counter[int]:
+    """Rounds with i.i.d. per-token acceptance and exact costs; returns the k chosen."""
+    rng = random.Random(seed)
+    chosen: Counter[int] = Counter()
+    for _ in range(rounds):
+        k = policy.next_length()
+        chosen[k] += 1
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        proposal = Proposal(list(range(k)), None, k * draft_s) if k else None
+        verification = Verification(accepted, 0, verify_s[k])
+        clock.now += (k * draft_s) + verify_s[k] + overhead_s
+        policy.observe(k, accepted, proposal, verification)
+    return chosen
+
+
+def best_k(alpha: float, draft_s: float, verify_s: dict[int, float], overhead_s: float) -> int:
+    rates = {k: expected_tokens(alpha, k) / (k * draft_s + v + overhead_s)
+             for k, v in verify_s.items()}
+    return max(rates, key=rates.__getitem__)
+
+
+# T_target(k + 1) shaped like the reference CPU: a jump after one row, then slow growth.
+VERIFY = {0: 0.060, 1: 0.110, 2: 0.115, 3: 0.120, 4: 0.126, 5: 0.132, 6: 0.140, 7: 0.150,
+          8: 0.160}
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.95])
+def test_settles_on_the_rate_maximising_length(alpha: float) -> None:
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, clock=clock, decay=0.98)
+    chosen = simulate(policy, clock, alpha, 0.012, VERIFY, 400)
+    optimum = best_k(alpha, 0.012, VERIFY, 0.001)
+    late = Counter(policy.chosen[-150:])
+    top = late.most_common(1)[0][0]
+    # Noise in the acceptance estimate may move it one step when neighbours are close.
+    rate = {k: expected_tokens(alpha, k) / (k * 0.012 + VERIFY[k] + 0.001) for k in VERIFY}
+    assert abs(top - optimum) <= 1 and rate[top] >= 0.93 * rate[optimum], (alpha, late)
+    assert sum(chosen.values()) == 400
+
+
+def test_stops_drafting_when_acceptance_is_poor_and_probes_again() -> None:
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, clock=clock)
+    simulate(policy, clock, 0.02, 0.012, VERIFY, 200)
+    late = policy.chosen[-100:]
+    assert late.count(0) >= 80
+    assert any(k > 0 for k in late), "never probes the draft again"
+
+
+def test_follows_a_change_in_acceptance() -> None:
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, clock=clock)
+    simulate(policy, clock, 0.95, 0.012, VERIFY, 150)
+    high = Counter(policy.chosen[-50:]).most_common(1)[0][0]
+    simulate(policy, clock, 0.3, 0.012, VERIFY, 150, seed=1)
+    low = Counter(policy.chosen[-50:]).most_common(1)[0][0]
+    assert high >= 6 and low <= 2
+
+
+def test_sweeps_every_length_once_per_cost_model_then_reuses_it() -> None:
+    clock = FakeClock()
+    costs = CostModel()
+    first = AdaptiveLength(4, 8, costs=costs, clock=clock, min_samples=1)
+    simulate(first, clock, 0.8, 0.012, VERIFY, 20)
+    assert set(first.chosen[:11]) == set(range(9))
+    second = AdaptiveLength(4, 8, costs=costs, clock=clock, min_samples=1)
+    simulate(second, clock, 0.8, 0.012, VERIFY, 8)
+    assert {0, 8}.isdisjoint(second.chosen)  # no second sweep: only plausible lengths
+
+
+def test_seeded_from_a_calibration_needs_no_sweep() -> None:
+    curve = CostCurve("fake", {k + 1: v for k, v in VERIFY.items()}, 0.012)
+    costs = CostModel.from_curve(curve, 8, weight=2.0)
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, costs=costs, clock=clock)
+    simulate(policy, clock, 0.8, 0.012, VERIFY, 30)
+    assert abs(Counter(policy.chosen[2:]).most_common(1)[0][0]
+               - best_k(0.8, 0.012, VERIFY, 0.001)) <= 1
+
+
+def test_cost_table_interpolates_and_extrapolates() -> None:
+    table = CostTable()
+    assert table.estimate(3) is None
+    table.observe(2, 0.2)
+    table.observe(6, 0.6)
+    assert table.estimate(4) == pytest.approx(0.4)
+    assert table.estimate(8) == pytest.approx(0.6)
+    assert table.estimate(8, proportional=True) == pytest.approx(0.8)
+    table.observe(2, 0.4)  # second sample: full weight is 1/2
+    assert table.estimate(2) == pytest.approx(0.3)
+
+
+def test_heuristic_schedule() -> None:
+    policy = HeuristicLength(4, 16)
+    verification = Verification(0, 0, 0.0)
+    policy.observe(4, 4, None, verification)
+    assert policy.next_length() == 6
+    policy.observe(6, 2, None, verification)
+    assert policy.next_length() == 5
+    for _ in range(10):
+        policy.observe(5, 0, None, verification)
+    assert policy.next_length() == 1
+
+
+def test_length_policy_choice() -> None:
+    assert isinstance(length_policy(3, False), FixedLength)
+    assert isinstance(length_policy(0, True), FixedLength)  # target only stays target only
+    policy = length_policy(3, True, max_length=6, costs=CostModel())
+    assert isinstance(policy, AdaptiveLength) and policy.max_length == 6
+    assert policy.next_length() == 3
+
+
+def test_adaptive_generation_is_still_greedy_exact() -> None:
+    torch.set_num_threads(1)
+    target, draft = tiny_llama(64, seed=1), tiny_llama(64, seed=2, layers=1)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    baseline = generate(None, LocalVerifier(ModelRunner(target)), prompt,
+                        GenerateConfig(max_new_tokens=40, num_draft_tokens=0))
+    policy = AdaptiveLength(2, 6, costs=CostModel(), min_samples=1)
+    result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                      prompt, GenerateConfig(max_new_tokens=40), policy=policy)
+    assert result.token_ids == baseline.token_ids
+    assert len(policy.chosen) == result.stats.rounds

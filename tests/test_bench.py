@@ -1,0 +1,138 @@
+"""`specdec bench` behaviour on tiny random models: configurations, JSON, markdown, plots.
+
+No timing assertions: the numbers of a tiny model on a shared CPU mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from service_harness import Services
+from tiny_models import tiny_llama
+
+from specdec.bench.configs import build_configs
+from specdec.bench.costs import (
+    CostCurve,
+    alpha_from_tokens_per_round,
+    bound,
+    expected_tokens,
+)
+from specdec.bench.harness import BenchModels, BenchSettings, run_bench
+from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
+from specdec.commands.bench import add_parser, settings_from_args, write_outputs
+from specdec.draft_training.prompts import generate_prompts
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def test_prompt_set_is_hand_written_and_disjoint_from_training_prompts() -> None:
+    prompts = load_prompts()
+    assert 36 <= len(prompts) <= 48
+    assert {p.category for p in prompts} == set(CATEGORIES)
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert min(sum(p.category == c for p in prompts) for c in CATEGORIES) >= 8
+    generated = {_normal(p.text) for p in generate_prompts(count=20000)}
+    assert len(generated) > 5000
+    overlap = [p.id for p in prompts if _normal(p.text) in generated]
+    assert not overlap, f"bench prompts equal to training prompts: {overlap}"
+
+
+def test_select_interleaves_categories() -> None:
+    prompts = [BenchPrompt(f"{c}-{i}", c, f"{c} {i}") for c in ("a", "b") for i in range(3)]
+    assert [p.id for p in select(prompts, 2)] == ["a-0", "b-0", "a-1", "b-1"]
+    assert len(select(prompts, None)) == 6
+
+
+def test_bound_formula() -> None:
+    curve = CostCurve("x", {1: 0.1, 2: 0.2, 5: 0.2}, 0.01)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4.0
+    # S(4) = E * T(1) / (4 T_d + T(5))
+    assert bound(curve, 0.5, 4) == pytest.approx(expected_tokens(0.5, 4) * 0.1 / 0.24)
+    assert curve.t_target(3.5) == pytest.approx(0.2)
+    assert alpha_from_tokens_per_round(expected_tokens(0.7, 4), 4) == pytest.approx(0.7)
+
+
+def test_configs_validate_names() -> None:
+    names = [c.name for c in build_configs(("target-only", "specdec-grpc"), ("2", "adaptive"))]
+    assert names == ["target-only", "specdec-grpc k=2", "specdec-grpc k=adaptive"]
+    with pytest.raises(ValueError):
+        build_configs(("nope",), ("2",))
+    with pytest.raises(ValueError):
+        build_configs(("specdec-local",), ("0",))
+
+
+def test_quick_flag_settings() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--quick", "--repeats", "3"])
+    settings = settings_from_args(args)
+    assert settings.modes == ("greedy",) and settings.per_category == 1
+    assert settings.lengths == ("2", "4", "adaptive") and settings.repeats == 3
+
+
+@pytest.fixture()
+def tiny_pair(tmp_path: Path) -> BenchModels:
+    torch.manual_seed(0)
+    target = tiny_llama(64, seed=1)
+    token_map = torch.arange(0, 64, 2)[:31]  # a reduced-vocabulary draft: 31 ids + UNK
+    draft = tiny_llama(32, seed=2, layers=1)
+    draft.save_pretrained(tmp_path / "draft")
+    (tmp_path / "draft" / "token_map.json").write_text(
+        json.dumps({"target_ids": token_map.tolist()}))
+    return BenchModels(target, draft, token_map, None, (), str(tmp_path / "draft"))
+
+
+def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    settings = BenchSettings(
+        modes=("greedy", "t1"), lengths=("1", "3", "adaptive", "heuristic"), per_category=1,
+        repeats=2, max_new_tokens=10, max_length=4, calibration_repeats=1, warmup_tokens=8,
+        progress=False, compare_dtypes=("float32",))
+    prompts = [p for p in load_prompts() if p.id.endswith("-01")]
+
+    def services() -> Services:
+        return Services(tiny_pair.draft, tiny_pair.target, draft_token_map=tiny_pair.token_map)
+
+    def runners(name: str) -> tuple[object, object]:
+        from specdec.runner import ModelRunner
+
+        return (ModelRunner(tiny_pair.target),
+                ModelRunner(tiny_pair.draft, 64, token_map=tiny_pair.token_map))
+
+    result = run_bench(settings, tiny_pair, services, prompts, runners)  # type: ignore[arg-type]
+    paths = write_outputs(result, tmp_path / "out", "specdec bench --tiny")
+    data = json.loads(paths["json"].read_text())
+    expected = {"target-only", "hf-generate", "hf-assisted", "specdec-local k=1",
+                "specdec-local k=3", "specdec-local k=adaptive", "specdec-local k=heuristic",
+                "specdec-grpc k=1", "specdec-grpc k=3", "specdec-grpc k=adaptive"}
+    assert set(data["meta"]["configs"]) == expected
+    assert set(data["summary"]) == {"greedy", "t1"}
+    assert len(data["records"]) == len(expected) * 2 * 4 * 2  # configs x modes x prompts x repeats
+    greedy = data["summary"]["greedy"]
+    for name in expected:
+        entry = greedy[name]
+        assert set(CATEGORIES) <= set(entry) and entry["all"]["tokens_per_s"] > 0
+        assert len(entry["all"]["tokens_per_s_repeats"]) == 2
+        if name.startswith("specdec"):
+            stats = entry["all"]
+            assert stats["greedy_match"] == 1.0  # exactness, whatever the draft
+            assert 0 <= stats["acceptance_rate"] <= 1 and stats["bound"] > 0
+            assert "bound_ratio" in stats and stats["per_round"]["target_model_ms"] > 0
+    assert greedy["specdec-grpc k=3"]["all"]["per_round"]["bytes"] > 0
+    assert greedy["specdec-local k=adaptive"]["all"]["chosen_lengths"]
+    assert set(data["costs"]["t_target_s"]) == {str(k) for k in range(1, 10)}
+    assert [c["label"] for c in data["dtype_costs"]] == ["float32"]
+    markdown = paths["markdown"].read_text()
+    for needle in ("## Measured costs", "## greedy", "## t1", "per category", "per round",
+                   "specdec-grpc k=adaptive", "hf-assisted", "## Goals"):
+        assert needle in markdown
+    plots = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert plots == ["breakdown-greedy.png", "breakdown-t1.png", "speedup-greedy.png",
+                     "speedup-t1.png"]
