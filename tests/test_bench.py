@@ -92,10 +92,11 @@ def tiny_pair(tmp_path: Path) -> BenchModels:
 def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_path: Path) -> None:
     torch.set_num_threads(1)
     settings = BenchSettings(
-        modes=("greedy", "t1"), lengths=("1", "3", "adaptive", "heuristic"), per_category=1,
-        repeats=2, max_new_tokens=10, max_length=4, calibration_repeats=1, warmup_tokens=8,
-        progress=False, compare_dtypes=("float32",))
-    prompts = [p for p in load_prompts() if p.id.endswith("-01")]
+        modes=("greedy", "t1"), lengths=("1", "3", "adaptive", "heuristic"), per_category=2,
+        sampled_lengths=("3", "adaptive"), sampled_per_category=1, repeats=2, max_new_tokens=10,
+        max_length=4, calibration_repeats=1, warmup_tokens=8, progress=False,
+        compare_dtypes=("float32",))
+    prompts = [p for p in load_prompts() if p.id[-2:] in ("01", "02")]
 
     def services() -> Services:
         return Services(tiny_pair.draft, tiny_pair.target, draft_token_map=tiny_pair.token_map)
@@ -114,7 +115,11 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
                 "specdec-grpc k=1", "specdec-grpc k=3", "specdec-grpc k=adaptive"}
     assert set(data["meta"]["configs"]) == expected
     assert set(data["summary"]) == {"greedy", "t1"}
-    assert len(data["records"]) == len(expected) * 2 * 4 * 2  # configs x modes x prompts x repeats
+    # greedy: every config on 8 prompts; t1: target-only, 2 HF, 2 local, 2 gRPC on 4 prompts
+    assert len(data["records"]) == (len(expected) * 8 + 7 * 4) * 2
+    assert set(data["summary"]["t1"]) == {"target-only", "hf-generate", "hf-assisted",
+                                          "specdec-local k=3", "specdec-local k=adaptive",
+                                          "specdec-grpc k=3", "specdec-grpc k=adaptive"}
     greedy = data["summary"]["greedy"]
     for name in expected:
         entry = greedy[name]

@@ -51,6 +51,9 @@ class BenchSettings:
     systems: tuple[str, ...] = SYSTEMS
     lengths: tuple[str, ...] = LENGTHS
     per_category: int | None = None  # None: every prompt
+    # Sampled modes (T > 0) cost as much as greedy; these trim them (None: same as greedy).
+    sampled_lengths: tuple[str, ...] | None = None
+    sampled_per_category: int | None = None
     repeats: int = 2
     max_new_tokens: int = 96
     max_length: int = 8  # adaptive's longest draft
@@ -145,6 +148,10 @@ class Bench:
         self.settings = settings
         self.models = models
         self.configs = build_configs(settings.systems, settings.lengths)
+        sampled = build_configs(settings.systems, settings.sampled_lengths or settings.lengths)
+        self.mode_configs = {mode: self.configs if MODES[mode].temperature == 0 else sampled
+                             for mode in settings.modes}
+        self.all_configs = list(dict.fromkeys(self.configs + sampled))
         vocab = int(models.target.config.vocab_size)
         self.target_runner = ModelRunner(models.target)
         self.draft_runner = ModelRunner(models.draft, target_vocab_size=vocab,
@@ -153,12 +160,12 @@ class Bench:
         self.verifier = LocalVerifier(self.target_runner)
         self.local_costs = CostModel()  # like the coordinator's: shared by every session
         self.hf_draft: Any | None = None
-        if any(c.system == HF_ASSISTED for c in self.configs):
+        if any(c.system == HF_ASSISTED for c in self.all_configs):
             dtype = next(models.draft.parameters()).dtype
             self.hf_draft = baselines.hf_draft(models.draft, models.token_map, vocab,
                                                models.draft_source, dtype)
         self.grpc: GrpcEndpoint | None = None
-        if any(c.system == GRPC for c in self.configs):
+        if any(c.system == GRPC for c in self.all_configs):
             self.grpc = (grpc_factory or (lambda: ProcessStack(settings)))()
         self.encode = chat_encoder(models.tokenizer)
 
@@ -183,20 +190,33 @@ class Bench:
     def warmup(self, advance: Callable[[str], None]) -> None:
         """First calls pay for allocation, kernel choice and channels; adaptive sweeps."""
         ids = self.encode(WARMUP_PROMPT)
-        for config in self.configs:
+        for config in self.all_configs:
             advance(f"warm-up {config.name}")
             tokens = self.settings.warmup_tokens if config.length == "adaptive" else 8
             for mode in self.settings.modes:
-                self.run_one(config, mode, ids, tokens, stable_seed("warmup", mode))
+                if config in self.mode_configs[mode]:
+                    self.run_one(config, mode, ids, tokens, stable_seed("warmup", mode))
+
+    def runs_for(self, prompt: BenchPrompt, prompts: list[BenchPrompt]) -> list[str]:
+        """The modes this prompt runs in: sampled ones only for the first N per category."""
+        limit = self.settings.sampled_per_category
+        rank = [p.id for p in prompts if p.category == prompt.category].index(prompt.id)
+        return [m for m in self.settings.modes
+                if MODES[m].temperature == 0 or limit is None or rank < limit]
+
+    def total_runs(self, prompts: list[BenchPrompt]) -> int:
+        per_pass = sum(len(self.mode_configs[mode]) for prompt in prompts
+                       for mode in self.runs_for(prompt, prompts))
+        return per_pass * self.settings.repeats
 
     def run(self, prompts: list[BenchPrompt], advance: Callable[[str], None]) -> list[RunRecord]:
         records: list[RunRecord] = []
         for repeat in range(self.settings.repeats):
             for prompt in prompts:
                 ids = self.encode(prompt.text)
-                for mode in self.settings.modes:
+                for mode in self.runs_for(prompt, prompts):
                     seed = stable_seed(prompt.id, repeat, mode)
-                    for config in self.configs:
+                    for config in self.mode_configs[mode]:
                         advance(f"{mode} {prompt.id} {config.name}")
                         record = self.run_one(config, mode, ids, self.settings.max_new_tokens,
                                               seed)
@@ -249,9 +269,8 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
         setup = bar.add_task("loading / starting services", total=None)
         bench = Bench(settings, models, grpc_factory)
         try:
-            per_pass = len(bench.configs) * len(settings.modes)
             calibration = 10 + 10 * len(settings.compare_dtypes)
-            total = calibration + len(bench.configs) + per_pass * len(prompts) * settings.repeats
+            total = calibration + len(bench.all_configs) + bench.total_runs(prompts)
             bar.update(setup, total=total, completed=0, description="calibrating costs")
 
             def advance(description: str) -> None:
@@ -266,7 +285,7 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
         finally:
             bench.close()
     meta = {"machine": machine_info(), "machine_at_start": start_machine, "prompts": len(prompts),
-            "configs": [c.name for c in bench.configs], "wall_s": time.perf_counter() - started}
+            "configs": [c.name for c in bench.all_configs], "wall_s": time.perf_counter() - started}
     return BenchResult(settings, costs, records, dtype_costs, meta)
 
 

@@ -40,6 +40,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"draft lengths (default: {','.join(LENGTHS)}; also 'heuristic')")
     parser.add_argument("--prompts-per-category", type=int, default=None,
                         help="first N prompts of each category (default: all)")
+    parser.add_argument("--sampled-lengths", default=None,
+                        help="draft lengths in the sampled modes (default: as --lengths)")
+    parser.add_argument("--sampled-prompts-per-category", type=int, default=None,
+                        help="prompts per category in the sampled modes (default: as greedy)")
     parser.add_argument("--repeats", type=int, default=None, help="passes over the prompts "
                         "(default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default 96")
@@ -73,6 +77,8 @@ def settings_from_args(args: argparse.Namespace) -> object:
         torch_threads=args.torch_threads, modes=modes, systems=_csv(args.systems),
         lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),
         per_category=pick("prompts_per_category", None),  # type: ignore[arg-type]
+        sampled_lengths=_csv(args.sampled_lengths) if args.sampled_lengths else None,
+        sampled_per_category=args.sampled_prompts_per_category,
         repeats=int(pick("repeats", 2)),  # type: ignore[call-overload]
         max_new_tokens=int(pick("max_new_tokens", 96)),  # type: ignore[call-overload]
         max_length=args.max_adaptive_length,
