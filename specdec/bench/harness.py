@@ -8,6 +8,7 @@ run in this process on the same weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import platform
@@ -36,6 +37,7 @@ from specdec.bench.configs import (
 from specdec.bench.costs import CostCurve, measure_costs
 from specdec.bench.prompts import BenchPrompt, chat_encoder, load_prompts, select
 from specdec.local import LocalDrafter, LocalVerifier
+from specdec.models import DEFAULT_DRAFT
 from specdec.runner import ModelRunner
 
 WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
@@ -128,14 +130,14 @@ class ProcessStack:
                 "--dtype", settings.dtype, "--torch-threads", str(settings.torch_threads),
                 "--max-draft-tokens", str(max(16, settings.max_length))]
         self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+        self.startup_timeout_s = settings.startup_timeout_s
         self.stack = start_stack("127.0.0.1", {}, args, log_dir=self.log_dir)
-        try:
-            self.stack.wait_healthy(settings.startup_timeout_s)
-        except BaseException:
-            self.stack.stop()
-            raise
         self.channel = grpc.insecure_channel(self.stack.endpoint("coordinator"))
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+
+    def wait(self) -> None:
+        """Block until all three report healthy (they load while this process does)."""
+        self.stack.wait_healthy(self.startup_timeout_s)
 
     def close(self) -> None:
         self.channel.close()
@@ -144,7 +146,7 @@ class ProcessStack:
 
 class Bench:
     def __init__(self, settings: BenchSettings, models: BenchModels,
-                 grpc_factory: Callable[[], GrpcEndpoint] | None = None) -> None:
+                 grpc: GrpcEndpoint | None = None) -> None:
         self.settings = settings
         self.models = models
         self.configs = build_configs(settings.systems, settings.lengths)
@@ -164,14 +166,8 @@ class Bench:
             dtype = next(models.draft.parameters()).dtype
             self.hf_draft = baselines.hf_draft(models.draft, models.token_map, vocab,
                                                models.draft_source, dtype)
-        self.grpc: GrpcEndpoint | None = None
-        if any(c.system == GRPC for c in self.all_configs):
-            self.grpc = (grpc_factory or (lambda: ProcessStack(settings)))()
+        self.grpc = grpc
         self.encode = chat_encoder(models.tokenizer)
-
-    def close(self) -> None:
-        if self.grpc is not None:
-            self.grpc.close()
 
     def run_one(self, config: BenchConfig, mode_name: str, prompt_ids: list[int],
                 max_new_tokens: int, seed: int) -> RunRecord:
@@ -262,13 +258,25 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
     started = time.perf_counter()
     start_machine = machine_info()
     prompts = select(prompts if prompts is not None else load_prompts(), settings.per_category)
-    models = models or load_models(settings)
+    draft_trained = None
+    if models is None and settings.draft_model == DEFAULT_DRAFT:
+        from specdec.draft_fallback import default_draft_or_truncated
+
+        path, draft_trained = default_draft_or_truncated()
+        settings = dataclasses.replace(settings, draft_model=path)
     columns = (TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
+    grpc: GrpcEndpoint | None = None
     with Progress(*columns, disable=not settings.progress) as bar:
         setup = bar.add_task("loading / starting services", total=None)
-        bench = Bench(settings, models, grpc_factory)
         try:
+            if GRPC in settings.systems:  # the services load while this process does
+                grpc = (grpc_factory or (lambda: ProcessStack(settings)))()
+            models = models or load_models(settings)
+            wait = getattr(grpc, "wait", None)
+            if wait is not None:
+                wait()
+            bench = Bench(settings, models, grpc)
             calibration = 10 + 10 * len(settings.compare_dtypes)
             total = calibration + len(bench.all_configs) + bench.total_runs(prompts)
             bar.update(setup, total=total, completed=0, description="calibrating costs")
@@ -283,8 +291,10 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
             bench.warmup(advance)
             records = bench.run(prompts, advance)
         finally:
-            bench.close()
-    meta = {"machine": machine_info(), "machine_at_start": start_machine, "prompts": len(prompts),
+            if grpc is not None:
+                grpc.close()
+    meta = {"machine": machine_info(), "machine_at_start": start_machine,
+            "draft_trained": draft_trained, "prompts": len(prompts),
             "configs": [c.name for c in bench.all_configs], "wall_s": time.perf_counter() - started}
     return BenchResult(settings, costs, records, dtype_costs, meta)
 

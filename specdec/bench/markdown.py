@@ -123,7 +123,9 @@ def render(result: dict[str, Any], summary: dict[str, Any], command: str = "") -
            f"{_load(meta.get('machine_at_start', machine))} at start, {_load(machine)} at end "
            "(other jobs on the machine inflate every time alike)",
            f"- pair: target `{settings['target_model']}`, draft `{settings['draft_model']}`, "
-           f"dtype {settings['dtype']}",
+           f"dtype {settings['dtype']}"
+           + (" (the trained draft was absent: a stand-in, the target's first 2 layers)"
+              if meta.get("draft_trained") is False else ""),
            f"- {meta['prompts']} prompts x {settings['repeats']} repeats, "
            f"max_new_tokens {settings['max_new_tokens']}, modes {', '.join(settings['modes'])}; "
            f"wall {meta['wall_s'] / 60:.1f} min", "",
