@@ -159,3 +159,14 @@ def test_adaptive_generation_is_still_greedy_exact() -> None:
                       prompt, GenerateConfig(max_new_tokens=40), policy=policy)
     assert result.token_ids == baseline.token_ids
     assert len(policy.chosen) == result.stats.rounds
+
+
+def test_coordinator_uses_adaptive_length_for_adaptive_requests() -> None:
+    from coordinator.servicer import make_policy
+
+    policy = make_policy(4, True, max_length=16, greedy=False)
+    assert isinstance(policy, AdaptiveLength)
+    assert policy.max_length == 8 and policy.prior_key == "sampled"
+    assert isinstance(make_policy(4, False, max_length=16, greedy=True), FixedLength)
+    wide = make_policy(12, True, max_length=16, greedy=True)
+    assert isinstance(wide, AdaptiveLength) and wide.max_length == 12
