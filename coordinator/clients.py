@@ -7,6 +7,11 @@ re-sends the whole history from position 0 and counts a resync, so specdec.loop 
 unchanged. Failure policy differs by role: the draft is optional (any failure or a slow
 answer raises DraftUnavailable and the loop goes target-only, still exact), the target
 is not (calls wait for it, retrying, until the request's deadline).
+
+Calls go through a coordinator.routing.Route. When the session's replica is gone and
+another one exists, the route moves and the next call re-sends the committed prefix
+from position 0 to the new replica (counted as a resync): the target retries the Verify
+there at once; the draft's round goes target-only and its next Propose goes there.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 import grpc
 import torch
 
+from coordinator.routing import ChannelClosed, FixedRoute, Route
 from specdec import wire
 from specdec.errors import InvalidRequest, ServiceUnavailable
 from specdec.grpc_server import MESSAGE_OPTIONS
@@ -46,6 +53,8 @@ CHANNEL_OPTIONS = [*MESSAGE_OPTIONS,
 RELEASE_TIMEOUT_S = 2.0
 MAX_RESYNCS_PER_CALL = 2
 
+StubT = TypeVar("StubT")
+
 
 class ChannelPool:
     """One channel per endpoint, shared by every session (HTTP/2 multiplexes calls).
@@ -56,23 +65,51 @@ class ChannelPool:
     def __init__(self, wrap: Callable[[grpc.Channel], grpc.Channel] | None = None) -> None:
         self._wrap = wrap
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[tuple[str, Callable[[grpc.Channel], Any]], Any] = {}
         self._lock = threading.Lock()
 
     def get(self, endpoint: str) -> grpc.Channel:
         with self._lock:
-            channel = self._channels.get(endpoint)
-            if channel is None:
-                channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-                if self._wrap is not None:
-                    channel = self._wrap(channel)
-                self._channels[endpoint] = channel
-            return channel
+            return self._get(endpoint)
+
+    def stub(self, endpoint: str, make: Callable[[grpc.Channel], StubT]) -> StubT:
+        """The shared stub `make` builds for `endpoint`.
+
+        Built under the lock, from a channel still in the pool: building a stub on a
+        channel `retain` has closed crashes the process (grpcio 1.85), whereas calling a
+        stub built before the close only raises ValueError.
+        """
+        with self._lock:
+            stub = self._stubs.get((endpoint, make))
+            if stub is None:
+                stub = self._stubs[endpoint, make] = make(self._get(endpoint))
+            return stub  # type: ignore[no-any-return]  # built by `make`
+
+    def _get(self, endpoint: str) -> grpc.Channel:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            if self._wrap is not None:
+                channel = self._wrap(channel)
+            self._channels[endpoint] = channel
+        return channel
+
+    def retain(self, endpoints: Iterable[str]) -> None:
+        """Close the channels of endpoints not listed: replicas that left discovery."""
+        keep = set(endpoints)
+        with self._lock:
+            closing = {e: self._channels.pop(e) for e in list(self._channels) if e not in keep}
+            self._stubs = {key: stub for key, stub in self._stubs.items() if key[0] in keep}
+        for endpoint, channel in closing.items():
+            log.info("closing the channel to %s: no longer discovered", endpoint)
+            channel.close()  # calls still on it end CANCELLED: their route moves
 
     def close(self) -> None:
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+            self._stubs.clear()
 
 
 class ProbsRelay:
@@ -120,6 +157,8 @@ def _assume_done(mirror: CacheMirror, committed: TokenHistory) -> None:
 
 
 def _code(error: grpc.RpcError) -> grpc.StatusCode:
+    if isinstance(error, ChannelClosed):
+        return grpc.StatusCode.UNAVAILABLE
     return error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
 
 
@@ -140,26 +179,76 @@ def _release(call: grpc.Future, session_id: str, endpoint: str) -> None:
     call.add_done_callback(done)
 
 
-class GrpcDrafter:
-    """`timeout_s` bounds each Propose; `deadline` is the request's monotonic deadline."""
+def _invoke(method: Callable[..., Any], request: Any, **kwargs: Any) -> Any:
+    try:
+        return method(request, **kwargs)
+    except ValueError as error:
+        # The pool closed this channel between the route's discovery check and the call.
+        if "closed channel" in str(error):
+            raise ChannelClosed(str(error)) from None
+        raise
 
-    def __init__(self, channel: grpc.Channel, endpoint: str, *, vocab_size: int,
+
+class _RoutedClient(Generic[StubT]):
+    """A client's route, its sessions' CacheMirrors, and what a move resets."""
+
+    def __init__(self, route: Route | grpc.Channel, endpoint: str,
+                 make_stub: Callable[[grpc.Channel], StubT]) -> None:
+        # A bare channel (scripts, older callers) is one fixed replica.
+        self.route = route if isinstance(route, Route) else FixedRoute(route, endpoint)
+        self._make_stub = make_stub
+        self._mirrors: dict[str, CacheMirror] = {}
+        self._moved: set[str] = set()  # sessions whose next call must re-send everything
+
+    @property
+    def endpoint(self) -> str:
+        return self.route.endpoint
+
+    @property
+    def stub(self) -> StubT:
+        return self.route.stub(self._make_stub)
+
+    def _begin(self, session_id: str, committed: TokenHistory
+               ) -> tuple[CacheMirror, SyncPoint, int]:
+        """The session's mirror, the first sync point, and the resyncs that one costs."""
+        mirror = self._mirrors.setdefault(session_id, CacheMirror())
+        if self.route.left_discovery() and self.route.move():
+            self._moved.add(session_id)  # its replica was scaled away between rounds
+        if session_id in self._moved:
+            # The new replica holds nothing of this session: the whole committed prefix.
+            self._moved.discard(session_id)
+            return mirror, mirror.full_resync(session_id, committed), 1
+        return mirror, _plan(mirror, session_id, committed), 0
+
+    def _moved_away(self, code: grpc.StatusCode) -> bool:
+        """After a failed call: True if its replica is gone and the route moved."""
+        return self.route.gone(code) and self.route.move()
+
+    def _forget(self, session_id: str) -> None:
+        self._mirrors.pop(session_id, None)
+        self._moved.discard(session_id)
+
+
+class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
+    """`timeout_s` bounds each Propose; `deadline` is the request's monotonic deadline.
+
+    `route`: a Route, or a channel with its `endpoint` (one fixed replica).
+    """
+
+    def __init__(self, route: Route | grpc.Channel, endpoint: str = "", *, vocab_size: int,
                  timeout_s: float, deadline: float | None = None,
                  relay: ProbsRelay | None = None) -> None:
-        self.stub = draft_pb2_grpc.DraftStub(channel)
-        self.endpoint = endpoint
+        super().__init__(route, endpoint, draft_pb2_grpc.DraftStub)
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.deadline = deadline
         self.relay = relay
-        self._mirrors: dict[str, CacheMirror] = {}
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams) -> Proposal:
         started = time.perf_counter()
-        mirror = self._mirrors.setdefault(session_id, CacheMirror())
-        sync = _plan(mirror, session_id, committed)
-        resyncs = 0
+        mirror, sync, resyncs = self._begin(session_id, committed)
+        refused = 0
         while True:
             request = draft_pb2.ProposeRequest(sync=wire.sync_to_proto(sync), num_tokens=num_tokens,
                                                sampling=wire.sampling_to_proto(params))
@@ -167,16 +256,23 @@ class GrpcDrafter:
             if self.deadline is not None:
                 timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
             try:
-                response = self.stub.Propose(request, timeout=timeout)
+                response = _invoke(self.stub.Propose, request, timeout=timeout)
                 break
             except grpc.RpcError as error:
-                if _code(error) == grpc.StatusCode.FAILED_PRECONDITION \
-                        and resyncs < MAX_RESYNCS_PER_CALL:
+                code = _code(error)
+                if code == grpc.StatusCode.FAILED_PRECONDITION and refused < MAX_RESYNCS_PER_CALL:
+                    refused += 1
                     resyncs += 1
                     sync = mirror.full_resync(session_id, committed)
                     continue
-                _assume_done(mirror, committed)
-                raise DraftUnavailable(f"draft {self.endpoint}: {_describe(error)}") from None
+                failed = f"draft {self.endpoint}: {_describe(error)}"
+                # The draft is optional: this round goes target-only either way, and after
+                # a move the next Propose goes to the new replica.
+                if self._moved_away(code):
+                    self._moved.add(session_id)
+                else:
+                    _assume_done(mirror, committed)
+                raise DraftUnavailable(failed) from None
         tokens = list(response.tokens)
         try:
             probs = self._checked(response, tokens, num_tokens, params)
@@ -199,7 +295,7 @@ class GrpcDrafter:
         return wire.decode_probs(response.probs, len(tokens), self.vocab_size, "probs")
 
     def release(self, session_id: str) -> None:
-        self._mirrors.pop(session_id, None)
+        self._forget(session_id)
         if self.relay is not None:
             self.relay.drop(session_id)
         _release(self.stub.Release.future(
@@ -207,19 +303,20 @@ class GrpcDrafter:
             session_id, self.endpoint)
 
 
-class GrpcVerifier:
-    """`deadline` is the request's absolute time.monotonic() deadline (None: none)."""
+class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
+    """`deadline` is the request's absolute time.monotonic() deadline (None: none).
 
-    def __init__(self, channel: grpc.Channel, endpoint: str, *, call_timeout_s: float,
-                 deadline: float | None = None, relay: ProbsRelay | None = None,
-                 retry_interval_s: float = 0.1) -> None:
-        self.stub = target_pb2_grpc.TargetStub(channel)
-        self.endpoint = endpoint
+    `route`: a Route, or a channel with its `endpoint` (one fixed replica).
+    """
+
+    def __init__(self, route: Route | grpc.Channel, endpoint: str = "", *,
+                 call_timeout_s: float, deadline: float | None = None,
+                 relay: ProbsRelay | None = None, retry_interval_s: float = 0.1) -> None:
+        super().__init__(route, endpoint, target_pb2_grpc.TargetStub)
         self.call_timeout_s = call_timeout_s
         self.deadline = deadline
         self.relay = relay
         self.retry_interval_s = retry_interval_s
-        self._mirrors: dict[str, CacheMirror] = {}
 
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
                draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification:
@@ -227,17 +324,9 @@ class GrpcVerifier:
         give_up = time.monotonic() + self.call_timeout_s
         if self.deadline is not None:
             give_up = min(give_up, self.deadline)
-        mirror = self._mirrors.setdefault(session_id, CacheMirror())
-        sync = _plan(mirror, session_id, committed)
-        probs_message = None
-        if draft_tokens and not params.greedy:
-            if draft_probs is None:
-                raise InvalidRequest("sampled verification needs the draft probabilities q")
-            if self.relay is not None:
-                probs_message = self.relay.take(session_id, draft_probs)
-            if probs_message is None:
-                probs_message = wire.encode_probs(draft_probs)
-        resyncs = 0
+        mirror, sync, resyncs = self._begin(session_id, committed)
+        probs_message = self._probs_message(session_id, draft_tokens, draft_probs, params)
+        refused = 0
         last_error = "no answer"
         while True:
             remaining = give_up - time.monotonic()
@@ -250,20 +339,30 @@ class GrpcVerifier:
             if probs_message is not None:
                 request.draft_probs.CopyFrom(probs_message)
             try:
-                # wait_for_ready: a restarting target is waited for, not failed fast.
-                response = self.stub.Verify(request, timeout=remaining, wait_for_ready=True)
+                # wait_for_ready: a restarting target is waited for, not failed fast, when
+                # it is the only one; with other replicas, failing fast lets the session move.
+                response = _invoke(self.stub.Verify, request, timeout=remaining,
+                                   wait_for_ready=not self.route.can_move)
                 break
             except grpc.RpcError as error:
                 code = _code(error)
                 last_error = _describe(error)
-                if code == grpc.StatusCode.FAILED_PRECONDITION and resyncs < MAX_RESYNCS_PER_CALL:
+                if code == grpc.StatusCode.FAILED_PRECONDITION and refused < MAX_RESYNCS_PER_CALL:
+                    refused += 1
+                    resyncs += 1
+                    sync = mirror.full_resync(session_id, committed)
+                    continue
+                if self._moved_away(code):
+                    # Retry on the new replica at once, from the committed prefix.
                     resyncs += 1
                     sync = mirror.full_resync(session_id, committed)
                     continue
                 _assume_done(mirror, committed)
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    # Connection lost mid-call (a restart) or no answer yet: try again,
-                    # with the cache state re-checked, until the deadline.
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or self.route.gone(code):
+                    # Connection lost mid-call (a restart), no answer yet, or no replica to
+                    # move to yet: try again, with the cache state re-checked, until the
+                    # deadline.
                     time.sleep(min(self.retry_interval_s, max(0.0, give_up - time.monotonic())))
                     sync = _plan(mirror, session_id, committed)
                     continue
@@ -273,8 +372,19 @@ class GrpcVerifier:
                             time.perf_counter() - started, response.forward_seconds, resyncs,
                             request.ByteSize() + response.ByteSize())
 
+    def _probs_message(self, session_id: str, draft_tokens: list[int],
+                       draft_probs: torch.Tensor | None,
+                       params: SamplingParams) -> common_pb2.DraftProbs | None:
+        """q for the wire: the relayed Propose message when possible, else encoded."""
+        if not draft_tokens or params.greedy:
+            return None
+        if draft_probs is None:
+            raise InvalidRequest("sampled verification needs the draft probabilities q")
+        message = self.relay.take(session_id, draft_probs) if self.relay is not None else None
+        return message if message is not None else wire.encode_probs(draft_probs)
+
     def release(self, session_id: str) -> None:
-        self._mirrors.pop(session_id, None)
+        self._forget(session_id)
         _release(self.stub.Release.future(
             target_pb2.TargetReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S),
             session_id, self.endpoint)

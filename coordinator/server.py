@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import grpc
 
 from coordinator.clients import ChannelPool
-from coordinator.endpoints import StaticEndpoints
+from coordinator.endpoints import ReplicaEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
-from specdec.grpc_server import ServerHandle, build_server
+from specdec.commands.serve import DEFAULT_PORTS
+from specdec.grpc_server import ServerHandle, build_server, check_health
 from specdec.model_service import model_info
 from specdec.models import load_tokenizer
 from specdec.telemetry.service import Telemetry
@@ -26,6 +27,16 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         draft_timeout_s=args.draft_timeout_ms / 1000, target_timeout_s=args.target_timeout_s)
 
 
+def replica_endpoints(args: argparse.Namespace, channels: ChannelPool) -> ReplicaEndpoints:
+    """The draft and target replica sets named by --draft-endpoint / --target-endpoint."""
+    draft = args.draft_endpoint if args.draft_endpoint.lower() not in ("", "none") else None
+    return ReplicaEndpoints(
+        args.target_endpoint, draft,
+        default_ports=(DEFAULT_PORTS["target"], DEFAULT_PORTS["draft"]),
+        # A replica marked down returns as soon as it answers a health check.
+        health_check=check_health, on_replicas=channels.retain)
+
+
 def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
            telemetry: Telemetry | None = None) -> ServerHandle:
     # Only the target's tokenizer and config: the weights live in the target service.
@@ -38,15 +49,15 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
         tokenizer = None
     # Client interceptor: Propose/Verify carry the trace context to the services.
     channels = ChannelPool(wrap=telemetry.intercept_channel if telemetry else None)
-    draft = args.draft_endpoint if args.draft_endpoint.lower() not in ("", "none") else None
+    endpoints = replica_endpoints(args, channels)
     servicer = CoordinatorServicer(
-        target, StaticEndpoints(args.target_endpoint, draft),
-        settings=settings_from_args(args), tokenizer=tokenizer, channels=channels,
-        telemetry=telemetry)
+        target, endpoints, settings=settings_from_args(args), tokenizer=tokenizer,
+        channels=channels, telemetry=telemetry)
     if telemetry is not None:  # tracing outermost: its span covers the other interceptors
         interceptors = [*telemetry.server_interceptors(), *interceptors]
     handle = build_server([servicer.service()], host=args.host, port=args.port,
                           max_workers=args.max_workers, interceptors=interceptors)
+    handle.on_stop.append(endpoints.close)  # stop discovery before closing its channels
     handle.on_stop.append(channels.close)
     if telemetry is not None:
         handle.on_stop.append(telemetry.shutdown)  # flush the last spans

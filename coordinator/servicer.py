@@ -1,9 +1,10 @@
 """Coordinator.Generate / GenerateStream: validate, run specdec.loop over gRPC clients.
 
-Per request: pick endpoints (the discovery seam), build a GrpcDrafter and GrpcVerifier
-sharing a ProbsRelay, run `generate` in this thread (unary) or a worker thread feeding
-the stream. A client that cancels or whose deadline passes stops the loop after the
-current round; the loop's `finally` then releases both services' caches.
+Per request: pin the session to one target and one draft replica (routes over the
+discovered replica sets), build a GrpcDrafter and GrpcVerifier sharing a ProbsRelay,
+run `generate` in this thread (unary) or a worker thread feeding the stream. A client
+that cancels or whose deadline passes stops the loop after the current round; the
+loop's `finally` then releases both services' caches.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import grpc
 
 from coordinator.clients import ChannelPool, GrpcDrafter, GrpcVerifier, ProbsRelay
 from coordinator.endpoints import EndpointSource
+from coordinator.routing import ReplicaRoute
 from coordinator.streaming import StreamChunker
 from coordinator.validation import Limits, ValidRequest, decoder, validate
 from specdec import policy as policies
+from specdec.discovery import ReplicaSet
 from specdec.errors import SpecdecError
 from specdec.grpc_server import Service
 from specdec.grpc_status import abort, rpc_errors
@@ -183,19 +186,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             on_event: Callable[[RoundEvent], None] | None = None,
             observed: RequestObserver | None = None) -> GenerationResult:
         session_id = uuid.uuid4().hex  # never the client's request_id: caches are per run
-        endpoints = self.endpoints.for_session(session_id)
-        log.debug("request %r: session %s on target %s, draft %s", request_id, session_id,
-                  endpoints.target, endpoints.draft)
         relay = ProbsRelay()
         drafter = None
-        if endpoints.draft and valid.num_draft_tokens > 0:
-            drafter = GrpcDrafter(self.channels.get(endpoints.draft), endpoints.draft,
+        if self.endpoints.draft is not None and valid.num_draft_tokens > 0:
+            drafter = GrpcDrafter(self._route("draft", self.endpoints.draft, session_id),
                                   vocab_size=self.target.vocab_size,
                                   timeout_s=self.settings.draft_timeout_s, deadline=deadline,
                                   relay=relay)
-        verifier = GrpcVerifier(self.channels.get(endpoints.target), endpoints.target,
+        verifier = GrpcVerifier(self._route("target", self.endpoints.target, session_id),
                                 call_timeout_s=self.settings.target_timeout_s,
                                 deadline=deadline, relay=relay)
+        log.debug("request %r: session %s on target %s, draft %s", request_id, session_id,
+                  verifier.endpoint, drafter.endpoint if drafter else None)
         config = GenerateConfig(max_new_tokens=valid.max_new_tokens, sampling=valid.sampling,
                                 num_draft_tokens=valid.num_draft_tokens,
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
@@ -225,6 +227,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if observed is not None:
             observed.finish(result)
         return result
+
+    def _route(self, role: str, replicas: ReplicaSet, session_id: str) -> ReplicaRoute:
+        """Pin the session to a replica; every pin (at start or after a move) is counted."""
+        return ReplicaRoute(
+            replicas, self.channels.stub, session_id,
+            on_pin=lambda endpoint: self.telemetry.record_replica_session(role, endpoint))
 
     @staticmethod
     def _fill_stats(out: coordinator_pb2.GenerationStats, result: GenerationResult,

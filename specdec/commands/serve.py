@@ -42,10 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--port", 0,
                 "port (0 = the role's default: coordinator 50051, draft 50052, target 50053)",
                 type=int)
+    replicas = "host:port, a list host:port,host:port, or dns:///name:port"
     add_setting(parser, "--draft-endpoint", f"127.0.0.1:{DEFAULT_PORTS['draft']}",
-                "coordinator: the draft service ('none' = no draft, target-only)")
+                f"coordinator: the draft replicas, {replicas} ('none' = no draft, "
+                "target-only)")
     add_setting(parser, "--target-endpoint", f"127.0.0.1:{DEFAULT_PORTS['target']}",
-                "coordinator: the target service")
+                f"coordinator: the target replicas, {replicas}")
     add_service_settings(parser)
     # Not in add_service_settings: `up` must not hand one metrics port to all three.
     add_telemetry_settings(parser)

@@ -94,6 +94,11 @@ class CoordinatorMetrics:
                                          "Propose call as the coordinator saw it", _CALL_BUCKETS)
         self.verify_latency = histogram("verify_latency_seconds",
                                         "Verify call as the coordinator saw it", _CALL_BUCKETS)
+        # Spread of sessions over replicas: a pin at session start or a move after a
+        # replica was lost. Labelled by endpoint, so one series per replica ever used.
+        self.replica_sessions = counter("replica_sessions",
+                                        "Sessions pinned to a draft or target replica",
+                                        ("role", "endpoint"))
         self.active_requests = Gauge("specdec_active_requests", "Requests being generated",
                                      registry=registry)
 

@@ -101,6 +101,11 @@ class Telemetry:
         recorder = self.coordinator_metrics.request() if self.coordinator_metrics else None
         return RequestObserver(tracer, recorder, prompt_tokens)
 
+    def record_replica_session(self, role: str, endpoint: str) -> None:
+        """A session was pinned to (or moved to) this draft or target replica."""
+        if self.coordinator_metrics is not None:
+            self.coordinator_metrics.replica_sessions.labels(role=role, endpoint=endpoint).inc()
+
     # -- draft / target --------------------------------------------------------------------
     def watch_runner(self, runner: Any) -> None:
         if self.model_metrics is not None:
