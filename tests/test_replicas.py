@@ -308,9 +308,10 @@ def test_concurrent_sessions_spread_over_the_replicas(
         coordinator.pins("draft", drafts)
     spread = {e: after_targets[e] - before_targets[e] for e in targets}
     assert sum(spread.values()) == len(seeds)
-    # Rendezvous hashing of 16 random session ids: fewer than 3 on one replica has
-    # probability about 0.4 %.
-    assert min(spread.values()) >= 3, spread
+    # Both replicas serve sessions (one channel per endpoint, not gRPC's pick_first).
+    # Rendezvous hashing of 16 random session ids leaves a replica empty with
+    # probability 2 * 2**-16, so this cannot flake in practice.
+    assert min(spread.values()) >= 1, spread
     assert all(after_drafts[e] > before_drafts[e] for e in drafts)
 
 
