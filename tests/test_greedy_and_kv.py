@@ -160,3 +160,29 @@ def test_dynamic_cache_crop_takes_negative_counts() -> None:
         model(input_ids=torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
     cache.crop(-3)
     assert cache.get_seq_length() == len(PROMPT) - 3
+
+
+def test_bf16_runner_reproduces_bf16_target_greedy() -> None:
+    """Exactness is defined against the target as served: same dtype on both paths."""
+    target = tiny_llama(64, seed=1).to(torch.bfloat16)
+    draft = tiny_llama(64, seed=2, layers=1).to(torch.bfloat16)
+    result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                      PROMPT, GenerateConfig(max_new_tokens=30, num_draft_tokens=3))
+    assert result.token_ids == hf_greedy(target, PROMPT, 30)
+
+
+def test_stop_string_cuts_text_and_reports_stop() -> None:
+    target, draft = tiny_llama(64, seed=1), tiny_llama(64, seed=2, layers=1)
+    reference = hf_greedy(target, PROMPT, 30)
+
+    def decode(ids: list[int]) -> str:
+        return "".join(f"<{token}>" for token in ids)
+
+    stop = f"<{reference[6]}><{reference[7]}>"
+    result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                      PROMPT, GenerateConfig(max_new_tokens=30, num_draft_tokens=4,
+                                             stop=[stop]), decode=decode)
+    assert result.finish_reason == "stop"
+    assert result.text == decode(reference[:6])
+    assert result.token_ids == reference[: len(result.token_ids)]
+    assert len(result.token_ids) <= 8
