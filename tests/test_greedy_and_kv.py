@@ -157,7 +157,7 @@ def test_dynamic_cache_crop_takes_negative_counts() -> None:
     model = tiny_llama(64, seed=4)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([PROMPT]), cache=cache, use_cache=True)
     cache.crop(-3)
     assert cache.get_seq_length() == len(PROMPT) - 3
 

@@ -150,7 +150,7 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
             step += 1
-            recent = (recent + [float(loss)])[-50:]
+            recent = (recent + [float(loss.detach())])[-50:]
             bar.update(task, completed=step, loss=sum(recent) / len(recent))
             if time.monotonic() - last_save > checkpoint_every_s or step == total_steps:
                 tmp = checkpoint.with_suffix(".tmp")
