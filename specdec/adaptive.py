@@ -158,7 +158,6 @@ class AdaptiveLength:
         self.probe_every = probe_every
         self._probe_interval = probe_every
         self._idle_rounds = 0  # consecutive rounds at k = 0
-        self._pending = [0] * (max_length + 1)  # picked, cost not recorded yet
         self._clock = clock
         self.successes = 0.0  # discounted accepted proposals
         self.failures = 0.0  # discounted rejections (rounds that stopped early)
@@ -205,18 +204,16 @@ class AdaptiveLength:
         if self._last is not None and self._round_started is not None and self.rounds > 1:
             k, draft_s, verify_s = self._last  # the previous round, now that its wall is known
             self.costs.observe(k, draft_s, verify_s, now - self._round_started)
-            self._pending[k] = max(0, self._pending[k] - 1)
         self._last = None
         self._round_started = now
         choice = self._choose()
-        self._pending[choice] += 1
         self.chosen.append(choice)
         return choice
 
     def _choose(self) -> int:
         first = 0 if self.allow_zero else 1
         lengths = range(first, self.max_length + 1)
-        known = {k: self.costs.samples(k) + self._pending[k] for k in lengths}
+        known = {k: self.costs.samples(k) for k in lengths}
         unmeasured = [k for k in lengths if known[k] < self.min_samples]
         if unmeasured and self.rounds == 0:  # round 1 carries the prefill: not a sample
             return self.initial
