@@ -99,7 +99,7 @@ def write_outputs(result: object, out_dir: Path, command: str) -> dict[str, Path
     data["summary"] = summary
     data["command"] = command
     paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md"}
-    paths["json"].write_text(json.dumps(data, indent=1))
+    paths["json"].write_text(json.dumps(data, separators=(",", ":")))
     paths["markdown"].write_text(render(data, summary, command))
     for index, path in enumerate(write_plots(summary, out_dir)):
         paths[f"plot{index}"] = path
