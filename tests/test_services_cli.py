@@ -82,11 +82,11 @@ def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) ->
 
         bad = subprocess.run(
             [*SPECDEC, "generate", "x", "--max-new-tokens", "0", "--endpoint", endpoint],
-            capture_output=True, text=True, timeout=60, env=env)
+            capture_output=True, text=True, timeout=180, env=env)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     finally:
         up.send_signal(signal.SIGINT)  # what Ctrl-C does
-        rest, _ = up.communicate(timeout=60)
+        rest, _ = up.communicate(timeout=120)
     assert up.returncode == 0, rest
     assert "stopped: coordinator exit 0, draft exit 0, target exit 0" in rest
     time.sleep(0.2)
