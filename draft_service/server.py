@@ -9,8 +9,8 @@ import grpc
 
 from draft_service.servicer import DraftServicer
 from specdec.config import apply_torch_settings
-from specdec.grpc_server import ServerHandle, build_server
-from specdec.model_service import load_runner, model_info
+from specdec.grpc_server import ServerHandle
+from specdec.model_service import load_runner, model_info, start_model_server
 from specdec.telemetry.service import Telemetry
 
 
@@ -23,12 +23,4 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
                          target_vocab_size=vocab, kv_budget_mb=args.kv_budget_mb)
     servicer = DraftServicer(runner, session_ttl_s=args.session_ttl_s,
                              max_draft_tokens=args.max_draft_tokens, telemetry=telemetry)
-    if telemetry is not None:  # tracing outermost: its span covers the other interceptors
-        interceptors = [*telemetry.server_interceptors(), *interceptors]
-    handle = build_server([servicer.service()], host=args.host, port=args.port,
-                          max_workers=args.max_workers, interceptors=interceptors)
-    servicer.sessions.start_reaper()
-    handle.on_stop.append(servicer.sessions.close)
-    if telemetry is not None:
-        handle.on_stop.append(telemetry.shutdown)  # flush the last spans
-    return handle
+    return start_model_server(servicer, args, interceptors, telemetry)

@@ -8,18 +8,24 @@ memory forever. ModelRunner itself only knows LRU eviction under its byte budget
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
+import grpc
 import torch
 
+from specdec.grpc_server import ServerHandle, Service, build_server
 from specdec.models import load_causal_lm, resolve
 from specdec.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,3 +127,26 @@ def load_runner(model: str, *, device: torch.device, dtype: torch.dtype,
     budget = kv_budget_mb * 1024 * 1024 if kv_budget_mb and kv_budget_mb > 0 else None
     return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,
                        token_map=loaded.token_map, kv_budget_bytes=budget)
+
+
+class ModelServicer(Protocol):
+    """What draft and target servicers expose to the server builder."""
+
+    sessions: SessionTable
+
+    def service(self) -> Service: ...
+
+
+def start_model_server(servicer: ModelServicer, args: argparse.Namespace,
+                       interceptors: Sequence[grpc.ServerInterceptor] = (),
+                       telemetry: Telemetry | None = None) -> ServerHandle:
+    """Serve a draft or target servicer: interceptors, session reaper, flush on stop."""
+    if telemetry is not None:  # tracing outermost: its span covers the other interceptors
+        interceptors = [*telemetry.server_interceptors(), *interceptors]
+    handle = build_server([servicer.service()], host=args.host, port=args.port,
+                          max_workers=args.max_workers, interceptors=interceptors)
+    servicer.sessions.start_reaper()
+    handle.on_stop.append(servicer.sessions.close)
+    if telemetry is not None:
+        handle.on_stop.append(telemetry.shutdown)  # flush the last spans
+    return handle
