@@ -48,6 +48,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
+    # SIGINT explicitly too: a process started from a non-interactive shell's background
+    # job inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     ports = {role: getattr(args, f"{role}_port") for role in ("coordinator", "draft", "target")}
     stack = start_stack("127.0.0.1", ports, service_args(args),
