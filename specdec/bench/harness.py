@@ -311,3 +311,12 @@ def compare_dtypes(settings: BenchSettings,
         curves.append(measure_costs(target, draft, label=name,
                                     repeats=settings.calibration_repeats, progress=step))
     return curves
+
+
+def run_costs(settings: BenchSettings) -> list[CostCurve]:
+    """Only the cost curves, in each of settings.compare_dtypes (default: settings.dtype)."""
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    names = settings.compare_dtypes or (settings.dtype,)
+    return compare_dtypes(dataclasses.replace(settings, compare_dtypes=names), None,
+                          lambda description: None)

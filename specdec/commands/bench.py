@@ -53,6 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="also measure cost curves in these formats, e.g. "
                         "float32,bfloat16,int8")
     parser.add_argument("--calibration-repeats", type=int, default=None)
+    parser.add_argument("--costs-only", action="store_true",
+                        help="only measure T_target(k) and T_draft(1) (in --compare-dtypes, "
+                        "default --dtype); writes costs.json and costs.md")
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -110,14 +113,38 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the services like Ctrl-C does
 
 
+def write_costs(curves: list[object], out_dir: Path, command: str, threads: int) -> Path:
+    from specdec.bench.harness import machine_info
+    from specdec.bench.markdown import cost_table
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = [curve.to_dict() for curve in curves]  # type: ignore[attr-defined]
+    machine = machine_info()
+    (out_dir / "costs.json").write_text(json.dumps(
+        {"command": command, "machine": machine, "costs": data}, indent=1))
+    lines = ["# specdec bench --costs-only", "", f"- command: `{command}`",
+             f"- machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
+             f"{threads or machine['torch_threads']} threads, load average "
+             + "/".join(f"{x:.1f}" for x in machine["load_average"]), "",
+             *cost_table(data), ""]
+    path = out_dir / "costs.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
-    from specdec.bench.harness import run_bench
+    from specdec.bench.harness import run_bench, run_costs
 
     signal.signal(signal.SIGTERM, _interrupt)
     settings = settings_from_args(args)
-    result = run_bench(settings)  # type: ignore[arg-type]
     argv = sys.argv[1:]
     command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
+    if args.costs_only:
+        path = write_costs(run_costs(settings), Path(args.out), command,  # type: ignore[arg-type]
+                           args.torch_threads)
+        print(path.read_text())
+        return 0
+    result = run_bench(settings)  # type: ignore[arg-type]
     paths = write_outputs(result, Path(args.out), command)
     print((Path(args.out) / "bench.md").read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
