@@ -20,7 +20,8 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
     # The draft maps its rows onto the target's vocabulary, so it needs its size.
     vocab = model_info(args.target_model).vocab_size
     runner = load_runner(args.draft_model, device=device, dtype=dtype,
-                         target_vocab_size=vocab, kv_budget_mb=args.kv_budget_mb)
+                         target_vocab_size=vocab, kv_budget_mb=args.kv_budget_mb,
+                         linear_kernel=args.linear_kernel)
     servicer = DraftServicer(runner, session_ttl_s=args.session_ttl_s,
                              max_draft_tokens=args.max_draft_tokens, telemetry=telemetry)
     return start_model_server(servicer, args, interceptors, telemetry)

@@ -40,7 +40,16 @@ def add_model_settings(parser: argparse.ArgumentParser,
     add_setting(parser, "--dtype", "float32", "model dtype: float32, bfloat16 or float16")
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
+    add_linear_kernel_setting(parser)
     add_setting(parser, "--kv-budget-mb", 2048, "KV cache memory budget per model (MiB)", type=int)
+
+
+def add_linear_kernel_setting(parser: argparse.ArgumentParser) -> None:
+    from specdec.kernels import KERNELS
+
+    add_setting(parser, "--linear-kernel", "auto",
+                "matmul kernel of the linear layers: auto (skinny for float32 on CPU), "
+                "torch or skinny; see specdec/kernels.py", choices=KERNELS)
 
 
 def apply_torch_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:

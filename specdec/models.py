@@ -143,10 +143,14 @@ class LoadedModel:
 
 
 def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
-                   progress: bool = True) -> LoadedModel:
+                   progress: bool = True, linear_kernel: str = "auto") -> LoadedModel:
+    """Load a causal LM for decoding; linear_kernel: see specdec.kernels."""
+    from specdec.kernels import apply_linear_kernel
+
     source = resolve(name_or_path, progress)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
+    apply_linear_kernel(model, linear_kernel)
     token_map = None
     tokenizer = None
     source_path = Path(source)

@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from specdec.bench.configs import HF_ASSISTED, BenchConfig, RunRecord, SamplingMode
+from specdec.kernels import apply_linear_kernel
 
 
 class FullVocabDraft(LlamaForCausalLM):
@@ -45,11 +46,12 @@ class FullVocabDraft(LlamaForCausalLM):
 
 
 def hf_draft(model: Any, token_map: torch.Tensor | None, target_vocab: int,
-             source: str, dtype: torch.dtype) -> Any:
-    """The draft as transformers' assistant_model."""
+             source: str, dtype: torch.dtype, linear_kernel: str = "auto") -> Any:
+    """The draft as transformers' assistant_model (same linear kernel as specdec's)."""
     if token_map is None:
         return model
     draft = FullVocabDraft.from_pretrained(source, dtype=dtype).eval()
+    apply_linear_kernel(draft, linear_kernel)
     return draft.attach_map(token_map, target_vocab)
 
 

@@ -3,6 +3,8 @@
 "float32", "bfloat16", "float16": weights and activations in that dtype.
 "int8": float32 model whose nn.Linear layers (LM head included) are replaced by
 torch's dynamic int8 quantisation (int8 weights, activations quantised per call).
+"FORMAT@KERNEL" (e.g. "float32@torch") also picks the linear kernel (specdec.kernels);
+without it the bench's --linear-kernel applies.
 """
 
 from __future__ import annotations
@@ -27,15 +29,25 @@ def quantize_int8(model: Any) -> Any:
                                                       dtype=torch.qint8)
 
 
-def load_runners(settings: BenchSettings, name: str) -> tuple[ModelRunner, ModelRunner]:
+def load_runners(settings: BenchSettings, label: str) -> tuple[ModelRunner, ModelRunner]:
+    from specdec.kernels import KERNELS
     from specdec.models import load_causal_lm, parse_dtype
 
+    name, _, kernel = label.partition("@")
+    kernel = kernel or settings.linear_kernel
     if name not in FORMATS and name not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown linear kernel {kernel!r} in {label!r}; "
+                         f"choose from {', '.join(KERNELS)}")
+    if name == "int8":
+        kernel = "torch"  # quantize_dynamic replaces exactly nn.Linear modules
     dtype = torch.float32 if name == "int8" else parse_dtype(name)
     cpu = torch.device("cpu")
-    target = load_causal_lm(settings.target_model, cpu, dtype, progress=False)
-    draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=False)
+    target = load_causal_lm(settings.target_model, cpu, dtype, progress=False,
+                            linear_kernel=kernel)
+    draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=False,
+                           linear_kernel=kernel)
     target_model: Any = target.model
     draft_model: Any = draft.model
     if name == "int8":

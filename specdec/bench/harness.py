@@ -36,8 +36,9 @@ from specdec.bench.configs import (
 )
 from specdec.bench.costs import CostCurve, measure_costs
 from specdec.bench.prompts import BenchPrompt, chat_encoder, load_prompts, select
+from specdec.kernels import resolve_kernel
 from specdec.local import LocalDrafter, LocalVerifier
-from specdec.models import DEFAULT_DRAFT
+from specdec.models import DEFAULT_DRAFT, parse_dtype
 from specdec.runner import ModelRunner
 
 WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
@@ -49,6 +50,7 @@ class BenchSettings:
     draft_model: str = "specdec-draft"
     dtype: str = "float32"
     torch_threads: int = 0
+    linear_kernel: str = "auto"
     modes: tuple[str, ...] = tuple(MODES)
     systems: tuple[str, ...] = SYSTEMS
     lengths: tuple[str, ...] = LENGTHS
@@ -110,8 +112,10 @@ def load_models(settings: BenchSettings) -> BenchModels:
 
     dtype = parse_dtype(settings.dtype)
     cpu = torch.device("cpu")
-    target = load_causal_lm(settings.target_model, cpu, dtype, progress=settings.progress)
-    draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=settings.progress)
+    target = load_causal_lm(settings.target_model, cpu, dtype, progress=settings.progress,
+                            linear_kernel=settings.linear_kernel)
+    draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=settings.progress,
+                           linear_kernel=settings.linear_kernel)
     eos = model_info(settings.target_model).eos_token_ids
     return BenchModels(target.model, draft.model, draft.token_map, target.tokenizer, eos,
                        str(resolve(settings.draft_model)))
@@ -128,6 +132,7 @@ class ProcessStack:
 
         args = ["--target-model", settings.target_model, "--draft-model", settings.draft_model,
                 "--dtype", settings.dtype, "--torch-threads", str(settings.torch_threads),
+                "--linear-kernel", settings.linear_kernel,
                 "--max-draft-tokens", str(max(16, settings.max_length))]
         self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         self.startup_timeout_s = settings.startup_timeout_s
@@ -165,7 +170,8 @@ class Bench:
         if any(c.system == HF_ASSISTED for c in self.all_configs):
             dtype = next(models.draft.parameters()).dtype
             self.hf_draft = baselines.hf_draft(models.draft, models.token_map, vocab,
-                                               models.draft_source, dtype)
+                                               models.draft_source, dtype,
+                                               settings.linear_kernel)
         self.grpc = grpc
         self.encode = chat_encoder(models.tokenizer)
 
@@ -284,7 +290,10 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
             def advance(description: str) -> None:
                 bar.update(setup, advance=1, description=description[:44])
 
-            costs = measure_costs(bench.target_runner, bench.draft_runner, label=settings.dtype,
+            kernel = resolve_kernel(settings.linear_kernel, torch.device("cpu"),
+                                    parse_dtype(settings.dtype))
+            costs = measure_costs(bench.target_runner, bench.draft_runner,
+                                  label=f"{settings.dtype}@{kernel}",
                                   repeats=settings.calibration_repeats,
                                   progress=lambda: advance(f"calibrating {settings.dtype}"))
             dtype_costs = compare_dtypes(settings, dtype_models, advance)

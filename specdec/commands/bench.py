@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from specdec.config import add_setting
+from specdec.config import add_linear_kernel_setting, add_setting
 
 QUICK = {"modes": "greedy", "lengths": "2,4,adaptive", "prompts_per_category": 1,
          "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24}
@@ -30,6 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--dtype", "float32", "dtype of every system: float32, bfloat16")
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
+    add_linear_kernel_setting(parser)
     parser.add_argument("--quick", action="store_true",
                         help="greedy, 1 prompt per category, k in 2,4,adaptive, 32 tokens "
                         "(under 3 minutes on 2 cores); explicit flags still win")
@@ -51,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="longest draft the adaptive policy may choose")
     parser.add_argument("--compare-dtypes", default="",
                         help="also measure cost curves in these formats, e.g. "
-                        "float32,bfloat16,int8")
+                        "float32,bfloat16,int8; FORMAT@KERNEL picks the linear kernel, "
+                        "e.g. float32@torch,float32@skinny")
     parser.add_argument("--calibration-repeats", type=int, default=None)
     parser.add_argument("--costs-only", action="store_true",
                         help="only measure T_target(k) and T_draft(1) (in --compare-dtypes, "
@@ -77,7 +79,8 @@ def settings_from_args(args: argparse.Namespace) -> object:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     return BenchSettings(
         target_model=args.target_model, draft_model=args.draft_model, dtype=args.dtype,
-        torch_threads=args.torch_threads, modes=modes, systems=_csv(args.systems),
+        torch_threads=args.torch_threads, linear_kernel=args.linear_kernel, modes=modes,
+        systems=_csv(args.systems),
         lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),
         per_category=pick("prompts_per_category", None),  # type: ignore[arg-type]
         sampled_lengths=_csv(args.sampled_lengths) if args.sampled_lengths else None,

@@ -12,9 +12,10 @@ from specdec.config import add_setting
 from specdec.stack import Stack, start_stack
 
 # Flags of `up` that are forwarded unchanged to each `specdec serve`.
-FORWARDED = ("target_model", "draft_model", "device", "dtype", "torch_threads", "kv_budget_mb",
-             "session_ttl_s", "max_workers", "max_draft_tokens", "num_draft_tokens",
-             "max_new_tokens_limit", "draft_timeout_ms", "target_timeout_s", "grace_s")
+FORWARDED = ("target_model", "draft_model", "device", "dtype", "torch_threads",
+             "linear_kernel", "kv_budget_mb", "session_ttl_s", "max_workers",
+             "max_draft_tokens", "num_draft_tokens", "max_new_tokens_limit",
+             "draft_timeout_ms", "target_timeout_s", "grace_s")
 
 
 def add_stack_settings(parser: argparse.ArgumentParser, default_ports: bool = True) -> None:

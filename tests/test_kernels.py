@@ -1,0 +1,79 @@
+"""The skinny linear kernel: same products as F.linear, same greedy text, only where chosen."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_gpt2, tiny_llama
+from torch import nn
+
+from specdec.kernels import SKINNY_MAX_ROWS, SkinnyLinear, apply_linear_kernel, resolve_kernel
+from specdec.local import LocalDrafter, LocalVerifier
+from specdec.loop import GenerateConfig, generate
+from specdec.runner import ModelRunner
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 64), (1, 5, 64), (2, 3, 64),
+                                   (1, SKINNY_MAX_ROWS, 64), (1, SKINNY_MAX_ROWS + 1, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_equals_f_linear(shape: tuple[int, ...], bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 300, bias=bias)
+    x = torch.randn(*shape)
+    expected = F.linear(x, layer.weight, layer.bias)
+    layer.__class__ = SkinnyLinear
+    out = layer(x)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_skinny_linear_keeps_gradients_off_and_other_dtypes_on_f_linear() -> None:
+    layer = SkinnyLinear(8, 4).to(torch.bfloat16)
+    x = torch.randn(1, 8, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # bit-identical path
+
+
+def test_auto_resolves_by_device_and_dtype() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kernel("auto", cpu, torch.float32) == "skinny"
+    assert resolve_kernel("auto", cpu, torch.bfloat16) == "torch"
+    assert resolve_kernel("auto", cuda, torch.float32) == "torch"
+    assert resolve_kernel("torch", cpu, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="unknown linear kernel 'fast'"):
+        resolve_kernel("fast", cpu, torch.float32)
+
+
+def test_apply_switches_every_linear_and_keeps_tied_weights() -> None:
+    model = tiny_llama(vocab_size=32)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert apply_linear_kernel(model, "auto") == "skinny"
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is SkinnyLinear for m in linears)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert apply_linear_kernel(model, "torch") == "torch"
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(vocab_size=64, seed=3, logit_scale=3.0),
+                                  lambda: tiny_gpt2(vocab_size=64, seed=3)])
+def test_greedy_with_skinny_kernel_equals_hf_generate_with_torch_kernel(make) -> None:  # type: ignore[no-untyped-def]
+    """The kernel changes summation order only: greedy text is the target's own."""
+    target = make()
+    reference = copy.deepcopy(target)  # F.linear everywhere
+    draft = tiny_llama(vocab_size=64, seed=4, layers=1)
+    apply_linear_kernel(target, "skinny")
+    apply_linear_kernel(draft, "skinny")
+    assert any(type(m) is SkinnyLinear for m in target.modules())
+    prompt = [3, 14, 15, 9, 2, 6]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    for k in (1, 3, 6):
+        result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                          prompt, GenerateConfig(max_new_tokens=40, num_draft_tokens=k))
+        assert result.token_ids == expected, f"k={k}"
