@@ -245,13 +245,14 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
         self.relay = relay
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams) -> Proposal:
+                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
         started = time.perf_counter()
         mirror, sync, resyncs = self._begin(session_id, committed)
         refused = 0
         while True:
             request = draft_pb2.ProposeRequest(sync=wire.sync_to_proto(sync), num_tokens=num_tokens,
-                                               sampling=wire.sampling_to_proto(params))
+                                               sampling=wire.sampling_to_proto(params),
+                                               min_confidence=min_confidence)
             timeout = self.timeout_s
             if self.deadline is not None:
                 timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
@@ -275,7 +276,7 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
                 raise DraftUnavailable(failed) from None
         tokens = list(response.tokens)
         try:
-            probs = self._checked(response, tokens, num_tokens, params)
+            probs = self._checked(response, tokens, num_tokens, params, min_confidence > 0)
         except InvalidRequest as error:  # a draft that answers nonsense is not used
             _assume_done(mirror, committed)
             raise DraftUnavailable(f"draft {self.endpoint} answered badly: {error}") from None
@@ -286,8 +287,9 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
                         resyncs, request.ByteSize() + response.ByteSize())
 
     def _checked(self, response: draft_pb2.ProposeResponse, tokens: list[int],
-                 num_tokens: int, params: SamplingParams) -> torch.Tensor | None:
-        if len(tokens) != num_tokens:
+                 num_tokens: int, params: SamplingParams,
+                 may_stop_early: bool) -> torch.Tensor | None:
+        if len(tokens) != num_tokens and not (may_stop_early and 1 <= len(tokens) < num_tokens):
             raise InvalidRequest(f"{len(tokens)} tokens for {num_tokens} asked")
         wire.check_token_ids(tokens, self.vocab_size, "tokens")
         if params.greedy:

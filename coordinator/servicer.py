@@ -27,6 +27,7 @@ from coordinator.routing import ReplicaRoute
 from coordinator.streaming import StreamChunker
 from coordinator.validation import Limits, ValidRequest, decoder, validate
 from specdec import policy as policies
+from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE
 from specdec.discovery import ReplicaSet
 from specdec.errors import SpecdecError
 from specdec.grpc_server import Service
@@ -46,6 +47,7 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 @dataclass(frozen=True)
 class CoordinatorSettings:
     num_draft_tokens: int = 4  # when a request has no `speculation`
+    draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # adaptive requests without their own
     max_draft_tokens: int = 16
     max_new_tokens_limit: int = 2048
     draft_timeout_s: float = 5.0  # per Propose; slower counts as unavailable
@@ -98,7 +100,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.channels = channels or ChannelPool()
         self.limits = Limits(target.vocab_size, target.max_context,
                              self.settings.max_new_tokens_limit, self.settings.max_draft_tokens,
-                             self.settings.num_draft_tokens)
+                             self.settings.num_draft_tokens, self.settings.draft_confidence)
 
     def service(self) -> Service:
         return Service(SERVICE_NAME,
@@ -200,6 +202,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                   verifier.endpoint, drafter.endpoint if drafter else None)
         config = GenerateConfig(max_new_tokens=valid.max_new_tokens, sampling=valid.sampling,
                                 num_draft_tokens=valid.num_draft_tokens,
+                                draft_confidence=valid.draft_confidence,
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)
         loop_drafter: Drafter | None = drafter

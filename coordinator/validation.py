@@ -19,6 +19,7 @@ class Limits:
     max_new_tokens: int  # SPECDEC_MAX_NEW_TOKENS_LIMIT
     max_draft_tokens: int
     default_draft_tokens: int  # when the request has no `speculation`
+    default_draft_confidence: float = 0.0  # adaptive requests that do not set their own
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ValidRequest:
     num_draft_tokens: int
     adaptive: bool
     stop: list[str]
+    draft_confidence: float = 0.0
 
 
 def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
@@ -53,6 +55,12 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not 0 <= num_draft_tokens <= limits.max_draft_tokens:
             raise InvalidRequest(f"speculation.num_draft_tokens must be in "
                                  f"[0, {limits.max_draft_tokens}], got {num_draft_tokens}")
+    draft_confidence = limits.default_draft_confidence if adaptive else 0.0
+    if request.HasField("speculation") and request.speculation.HasField("draft_confidence"):
+        draft_confidence = request.speculation.draft_confidence
+        if not 0.0 <= draft_confidence <= 1.0:  # NaN fails this too
+            raise InvalidRequest(f"speculation.draft_confidence must be in [0, 1], "
+                                 f"got {draft_confidence}")
     stop = list(request.stop)
     for index, text in enumerate(stop):
         if not text:
@@ -76,7 +84,7 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
             f"tokens exceeds the target's context of {limits.max_context}; at most "
             f"{limits.max_context - len(prompt_ids)}")
     return ValidRequest(prompt_ids, request.max_new_tokens, sampling, num_draft_tokens,
-                        adaptive, stop)
+                        adaptive, stop, draft_confidence)
 
 
 def tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:

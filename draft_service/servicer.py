@@ -40,8 +40,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if not 1 <= request.num_tokens <= self.max_draft_tokens:
             raise InvalidRequest(f"num_tokens must be in [1, {self.max_draft_tokens}], "
                                  f"got {request.num_tokens}")
+        if not 0.0 <= request.min_confidence <= 1.0:
+            raise InvalidRequest(f"min_confidence must be in [0, 1], got {request.min_confidence}")
         out = self.sessions.call(sync.session_id, lambda: draft_step(
-            self.runner, sync, request.num_tokens, params))
+            self.runner, sync, request.num_tokens, params, request.min_confidence))
         # Catch-up tokens in one forward, then one step per further draft token.
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=len(sync.append) + len(out.tokens) - 1,

@@ -94,8 +94,9 @@ def run_loop(drafter, verifier, prompt_ids: list[int], params: SamplingParams, k
         def __init__(self, inner) -> None:
             self.inner = inner
 
-        def propose(self, session_id, committed, num_tokens, params_):
-            proposal = self.inner.propose(session_id, committed, num_tokens, params_)
+        def propose(self, session_id, committed, num_tokens, params_, min_confidence=0.0):
+            proposal = self.inner.propose(session_id, committed, num_tokens, params_,
+                                          min_confidence)
             wire_before.append(proposal.wire_bytes)
             return proposal
 

@@ -43,7 +43,9 @@ class DraftUnavailable(Exception):
 
 class Drafter(Protocol):
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams) -> Proposal: ...
+                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
+        """Up to num_tokens tokens: fewer only when min_confidence stops the draft."""
+        ...
 
     def release(self, session_id: str) -> None: ...
 

@@ -20,16 +20,17 @@ class LocalDrafter:
         self._mirrors: dict[str, CacheMirror] = {}
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams) -> Proposal:
+                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
         started = time.perf_counter()
         mirror = self._mirrors.setdefault(session_id, CacheMirror())
         resyncs = 0
         try:
-            out = draft_step(self.runner, mirror.plan(session_id, committed), num_tokens, params)
+            out = draft_step(self.runner, mirror.plan(session_id, committed), num_tokens, params,
+                             min_confidence)
         except CacheSyncError:  # evicted under memory pressure: rebuild from the prefix
             resyncs = 1
             out = draft_step(self.runner, mirror.full_resync(session_id, committed),
-                             num_tokens, params)
+                             num_tokens, params, min_confidence)
         mirror.record(committed, out.tokens[:-1])
         probs = None if out.probs is None else self.runner.vocab.to_target_probs(out.probs)
         return Proposal(out.tokens, probs, time.perf_counter() - started, out.forward_s, resyncs)

@@ -26,6 +26,8 @@ class GenerateConfig:
     max_new_tokens: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_draft_tokens: int = 4  # 0 = target only
+    # Stop a proposal after a token the draft gives less than this probability (0 = off).
+    draft_confidence: float = 0.0
     eos_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     session_id: str = ""
@@ -108,7 +110,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             proposal = None
             if asked > 0 and backoff.ready():
                 try:
-                    proposal = drafter.propose(session_id, committed, asked, params)  # type: ignore[union-attr]
+                    proposal = drafter.propose(session_id, committed, asked, params,  # type: ignore[union-attr]
+                                               config.draft_confidence)
                     backoff.succeeded()
                 except DraftUnavailable:
                     backoff.failed()

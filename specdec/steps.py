@@ -1,7 +1,10 @@
 """The two model-side steps of a round, shared by the in-process path and the services.
 
-`draft_step` runs on the draft's runner: catch the cache up, then sample k tokens
-autoregressively and keep q, the exact distribution each was drawn from.
+`draft_step` runs on the draft's runner: catch the cache up, then sample up to k tokens
+autoregressively and keep q, the exact distribution each was drawn from. With
+min_confidence it stops after a token the draft itself gave less than that probability:
+such a token is usually rejected, so drafting past it wastes draft and verify time. The
+stop depends on the draft's side only, so the rejection sampler stays exact.
 `verify_step` runs on the target's runner: one forward over the pending committed
 tokens and the k draft tokens, then the rejection sampler next to p, so p (k+1 rows of
 the full vocabulary) never crosses the network.
@@ -49,8 +52,17 @@ class VerifyOutput:
     tokens_processed: int
 
 
+def confidence(logits: torch.Tensor, probs: torch.Tensor, model_id: torch.Tensor,
+               greedy: bool) -> float:
+    """The draft's probability of its proposal: under its T=1 softmax when greedy (the
+    processed distribution is one-hot there), else under the distribution it sampled."""
+    if greedy:
+        return float(torch.softmax(logits[0].float(), dim=-1).max())
+    return float(probs[0, model_id.reshape(-1)[0]])
+
+
 def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
-               params: SamplingParams) -> DraftOutput:
+               params: SamplingParams, min_confidence: float = 0.0) -> DraftOutput:
     result = runner.extend(sync.session_id, sync.committed_position, sync.fingerprint,
                            sync.append, num_logits=1)
     forward_s = result.forward_s
@@ -63,6 +75,9 @@ def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
         token = int(runner.vocab.model_to_target_ids(model_id)[0])
         tokens.append(token)
         rows.append(probs[0])
+        if min_confidence > 0 and index + 1 < num_tokens and \
+                confidence(logits, probs, model_id, params.greedy) < min_confidence:
+            break
         if index + 1 < num_tokens:  # the last proposal is never fed: verification decides
             step = runner.append(sync.session_id, [token])
             logits, forward_s = step.logits, forward_s + step.forward_s

@@ -121,6 +121,28 @@ def test_adaptive_draft_length_stays_exact(services, models) -> None:
     assert list(response.token_ids) == target_only(models[0], PROMPT, 40)
 
 
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.0, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_draft_confidence_over_the_wire_equals_the_in_process_loop(services, models,
+                                                                    sampling) -> None:
+    """Proposals cut short by the gate travel as shorter ProposeResponses; the result is
+    the in-process loop's with the same gate (and, greedy, the target's own text)."""
+    target, draft = models
+    message = request(max_new_tokens=30, k=6, **sampling)  # type: ignore[arg-type]
+    message.speculation.draft_confidence = 0.2
+    response = services.stub.Generate(message, timeout=30)
+    params = SamplingParams(**sampling)  # type: ignore[arg-type]
+    config = GenerateConfig(max_new_tokens=30, sampling=params, num_draft_tokens=6,
+                            draft_confidence=0.2)
+    local = generate(LocalDrafter(ModelRunner(draft, target_vocab_size=VOCAB)),
+                     LocalVerifier(ModelRunner(target)), PROMPT, config)
+    assert list(response.token_ids) == local.token_ids
+    assert response.stats.draft_tokens == local.stats.draft_tokens
+    assert response.stats.draft_tokens < 6 * response.stats.num_drafts  # the gate acted
+    if not sampling:
+        assert list(response.token_ids) == target_only(target, PROMPT, 30)
+
+
 def test_greedy_with_a_perfect_draft_accepts_everything(models) -> None:
     target, _ = models
     stack = Services(target, target)  # the target as its own draft: every token accepted

@@ -42,8 +42,8 @@ def generate_request(**fields: object) -> coordinator_pb2.GenerateRequest:
     for name, value in fields.items():
         if name.startswith("sampling_"):
             setattr(message.sampling, name.removeprefix("sampling_"), value)
-        elif name == "num_draft_tokens":
-            message.speculation.num_draft_tokens = value  # type: ignore[assignment]
+        elif name in ("num_draft_tokens", "draft_confidence"):
+            setattr(message.speculation, name, value)
         elif name in ("prompt_token_ids", "stop"):
             field = getattr(message, name)
             del field[:]
@@ -75,6 +75,9 @@ INVALID = {
     "token id < 0": (dict(prompt_token_ids=[-1, 2]), "prompt_token_ids[0]"),
     "num_draft_tokens < 0": (dict(num_draft_tokens=-1), "speculation.num_draft_tokens"),
     "num_draft_tokens too large": (dict(num_draft_tokens=1000), "speculation.num_draft_tokens"),
+    "draft_confidence > 1": (dict(draft_confidence=1.5), "speculation.draft_confidence"),
+    "draft_confidence < 0": (dict(draft_confidence=-0.1), "speculation.draft_confidence"),
+    "draft_confidence NaN": (dict(draft_confidence=math.nan), "speculation.draft_confidence"),
     "chat with token ids": (dict(chat=True), "chat"),
     "text without a tokenizer": (dict(prompt_token_ids=[], prompt="hi"), "prompt"),
     "stop without a tokenizer": (dict(stop=["x"]), "stop"),
@@ -132,6 +135,10 @@ def propose_cases() -> dict[str, tuple[draft_pb2.ProposeRequest, str]]:
                             "num_tokens"),
         "token out of vocab": (draft_pb2.ProposeRequest(sync=sync([1, 99]), num_tokens=2),
                                "append_tokens[1]"),
+        "min_confidence > 1": (draft_pb2.ProposeRequest(
+            sync=sync([1, 2]), num_tokens=2, min_confidence=1.5), "min_confidence"),
+        "min_confidence NaN": (draft_pb2.ProposeRequest(
+            sync=sync([1, 2]), num_tokens=2, min_confidence=math.nan), "min_confidence"),
         "sampled without seed": (draft_pb2.ProposeRequest(
             sync=sync([1, 2]), num_tokens=2, sampling=sampled(None)), "seed"),
         "temperature NaN": (draft_pb2.ProposeRequest(

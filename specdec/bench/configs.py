@@ -14,8 +14,12 @@ LOCAL = "specdec-local"
 GRPC = "specdec-grpc"
 SYSTEMS = (TARGET_ONLY, HF_GENERATE, HF_ASSISTED, LOCAL, GRPC)
 SPECULATIVE = (LOCAL, GRPC)
-LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive")
-POLICIES = ("adaptive", "heuristic")  # besides fixed integers
+LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident")
+# Besides fixed integers: "adaptive" as served (length per round + the confidence gate),
+# "heuristic" (transformers' +2/-1, in-process only) and "confident" (the longest length
+# every round, ended by the confidence gate alone: transformers' assisted generation's
+# scheme, in specdec).
+POLICIES = ("adaptive", "heuristic", "confident")
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ MODES = {
 @dataclass(frozen=True)
 class BenchConfig:
     system: str
-    length: str = "-"  # "1".."16", "adaptive", "heuristic", or "-" without a draft
+    length: str = "-"  # "1".."16", one of POLICIES, or "-" without a draft
 
     @property
     def name(self) -> str:
@@ -55,7 +59,8 @@ def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[Be
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     for length in lengths:
         if not (length.isdigit() and int(length) > 0) and length not in POLICIES:
-            raise ValueError(f"draft length {length!r}: a positive integer, adaptive or heuristic")
+            raise ValueError(f"draft length {length!r}: a positive integer or one of "
+                             f"{', '.join(POLICIES)}")
     configs: list[BenchConfig] = []
     for system in systems:
         if system in SPECULATIVE:

@@ -184,7 +184,7 @@ class Bench:
         if config.system == GRPC:
             assert self.grpc is not None
             return systems.run_grpc(config, mode, self.grpc.stub, prompt_ids,
-                                    max_new_tokens, seed)
+                                    max_new_tokens, seed, max_length=self.settings.max_length)
         return systems.run_local(config, mode, self.drafter, self.verifier, prompt_ids,
                                  max_new_tokens, self.models.eos, seed, self.local_costs,
                                  self.settings.max_length)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from specdec.adaptive import AdaptiveLength, CostModel, HeuristicLength
+from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, HeuristicLength
 from specdec.bench.configs import TARGET_ONLY, BenchConfig, RunRecord, SamplingMode
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, GenerationResult, generate
@@ -21,7 +21,14 @@ def local_policy(config: BenchConfig, costs: CostModel, greedy: bool,
                               prior_key="greedy" if greedy else "sampled")
     if config.length == "heuristic":
         return HeuristicLength(ADAPTIVE_START, max_length)
+    if config.length == "confident":
+        return FixedLength(max_length)
     return FixedLength(config.fixed_length or 0)
+
+
+def draft_confidence(config: BenchConfig) -> float:
+    """The gate the served coordinator would apply to this configuration's requests."""
+    return DEFAULT_DRAFT_CONFIDENCE if config.length in ("adaptive", "confident") else 0.0
 
 
 def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
@@ -44,7 +51,8 @@ def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
     speculative = config.system != TARGET_ONLY
     policy = local_policy(config, costs, params.greedy, max_length) if speculative else None
     gen_config = GenerateConfig(max_new_tokens=max_new_tokens, sampling=params,
-                                num_draft_tokens=0, eos_token_ids=eos)
+                                num_draft_tokens=0, eos_token_ids=eos,
+                                draft_confidence=draft_confidence(config))
     started = time.perf_counter()
     result = generate(drafter if speculative else None, verifier, prompt_ids, gen_config,
                       policy=policy)
@@ -54,7 +62,7 @@ def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
 
 
 def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
-                 max_new_tokens: int, seed: int) -> Any:
+                 max_new_tokens: int, seed: int, max_length: int = 8) -> Any:
     from specdec import wire
     from specdec.proto.specdec.v1 import coordinator_pb2
 
@@ -62,16 +70,21 @@ def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
         prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
         sampling=wire.sampling_to_proto(mode.params(seed)))
     adaptive = config.length == "adaptive"
-    request.speculation.num_draft_tokens = ADAPTIVE_START if adaptive else (
-        config.fixed_length or 0)
+    if config.length == "confident":
+        request.speculation.num_draft_tokens = max_length
+    else:
+        request.speculation.num_draft_tokens = ADAPTIVE_START if adaptive else (
+            config.fixed_length or 0)
     request.speculation.adaptive = adaptive
+    request.speculation.draft_confidence = draft_confidence(config)
     return request
 
 
 def run_grpc(config: BenchConfig, mode: SamplingMode, stub: Any, prompt_ids: list[int],
-             max_new_tokens: int, seed: int, timeout_s: float = 900.0) -> RunRecord:
+             max_new_tokens: int, seed: int, timeout_s: float = 900.0,
+             max_length: int = 8) -> RunRecord:
     """One Coordinator.Generate call against the three running services."""
-    request = grpc_request(config, mode, prompt_ids, max_new_tokens, seed)
+    request = grpc_request(config, mode, prompt_ids, max_new_tokens, seed, max_length)
     started = time.perf_counter()
     response = stub.Generate(request, timeout=timeout_s)
     seconds = time.perf_counter() - started

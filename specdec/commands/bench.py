@@ -38,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"sampling modes (default: {','.join(MODES)})")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run")
     parser.add_argument("--lengths", default=None,
-                        help=f"draft lengths (default: {','.join(LENGTHS)}; also 'heuristic')")
+                        help=f"draft lengths (default: {','.join(LENGTHS)}; also 'heuristic'); "
+                        "'confident' = the longest length ended by the confidence gate")
     parser.add_argument("--prompts-per-category", type=int, default=None,
                         help="first N prompts of each category (default: all)")
     parser.add_argument("--sampled-lengths", default=None,

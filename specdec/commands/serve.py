@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE
 from specdec.config import add_model_settings, add_setting
 from specdec.telemetry.settings import add_telemetry_settings
 
@@ -23,6 +24,9 @@ def add_service_settings(parser: argparse.ArgumentParser) -> None:
                 "most tokens drafted per round (a request asking more is rejected)", type=int)
     add_setting(parser, "--num-draft-tokens", 4,
                 "draft length when a request does not set speculation", type=int)
+    add_setting(parser, "--draft-confidence", DEFAULT_DRAFT_CONFIDENCE,
+                "adaptive requests end a round's draft after a token the draft gives less "
+                "than this probability (0 = off; a request may set its own)", type=float)
     add_setting(parser, "--max-new-tokens-limit", 2048,
                 "largest max_new_tokens a request may ask for", type=int)
     add_setting(parser, "--draft-timeout-ms", 5000.0,

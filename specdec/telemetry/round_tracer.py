@@ -229,10 +229,11 @@ class _TracedDrafter:
         self.inner, self.owner = inner, owner
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams) -> Proposal:
+                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
         self.owner.begin_round()
         with self.owner.step_span(n.PROPOSE_STEP_SPAN) as span:
-            proposal = self.inner.propose(session_id, committed, num_tokens, params)
+            proposal = self.inner.propose(session_id, committed, num_tokens, params,
+                                          min_confidence)
             if span is not None:
                 span.set_attributes({n.FORWARD_MS: _ms(proposal.forward_s),
                                      n.PROPOSED: len(proposal.tokens),

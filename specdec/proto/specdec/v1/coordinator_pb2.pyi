@@ -78,21 +78,30 @@ class SpeculationParams(_message.Message):
 
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     ADAPTIVE_FIELD_NUMBER: _builtins.int
+    DRAFT_CONFIDENCE_FIELD_NUMBER: _builtins.int
     num_draft_tokens: _builtins.int
     """Tokens drafted per round; 0 = target only."""
     adaptive: _builtins.bool
     """Let the coordinator adapt the draft length to the acceptance it sees."""
+    draft_confidence: _builtins.float
+    """End a round's draft early after a token the draft gives less than this probability
+    (output unchanged, exactness kept). In [0, 1]; 0 = off. Absent = the coordinator's
+    SPECDEC_DRAFT_CONFIDENCE for adaptive requests, 0 for fixed-length ones.
+    """
     def __init__(
         self,
         *,
         num_draft_tokens: _builtins.int = ...,
         adaptive: _builtins.bool = ...,
+        draft_confidence: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "draft_confidence", b"draft_confidence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adaptive", b"adaptive", "num_draft_tokens", b"num_draft_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_draft_tokens", b"num_draft_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__draft_confidence: _TypeAlias = _typing.Literal["draft_confidence"]  # noqa: Y015
+    _WhichOneofArgType__draft_confidence: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__draft_confidence) -> _WhichOneofReturnType__draft_confidence | None: ...
 
 Global___SpeculationParams: _TypeAlias = SpeculationParams  # noqa: Y015
 

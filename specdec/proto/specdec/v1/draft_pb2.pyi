@@ -26,7 +26,13 @@ class ProposeRequest(_message.Message):
     SYNC_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    MIN_CONFIDENCE_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
+    """The most tokens to propose."""
+    min_confidence: _builtins.float
+    """Stop after a token the draft gives less than this probability, so the response may
+    hold fewer than num_tokens tokens (at least one). 0 = always num_tokens. In [0, 1].
+    """
     @_builtins.property
     def sync(self) -> _common_pb2.SyncPoint: ...
     @_builtins.property
@@ -37,10 +43,11 @@ class ProposeRequest(_message.Message):
         sync: _common_pb2.SyncPoint | None = ...,
         num_tokens: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        min_confidence: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_confidence", b"min_confidence", "num_tokens", b"num_tokens", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
