@@ -252,6 +252,9 @@ class AdaptiveLength:
 
     def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,
                 verification: Verification) -> None:
+        # Evidence and costs are per requested length: a proposal the confidence gate ended
+        # early counts as the chain stopping there, so E(k) and the cost of asking k both
+        # include what the gate does.
         self.rounds += 1
         if asked > 0:  # evidence ages per drafting round: k = 0 rounds teach nothing
             self.successes *= self.decay

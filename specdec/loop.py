@@ -129,7 +129,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
                     break
             committed.extend(emitted)
             stats.record_round(len(draft_tokens), verification.accepted_len)
-            policy.observe(len(draft_tokens), verification.accepted_len, proposal, verification)
+            policy.observe(asked if proposal else 0, verification.accepted_len, proposal,
+                           verification)
             if proposal:
                 stats.draft_s += proposal.elapsed_s
                 stats.draft_forward_s += proposal.forward_s

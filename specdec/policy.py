@@ -12,7 +12,10 @@ class LengthPolicy(Protocol):
     def next_length(self) -> int: ...
 
     def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,
-                verification: Verification) -> None: ...
+                verification: Verification) -> None:
+        """asked: the draft length requested this round (0 if no proposal came back);
+        the proposal may hold fewer tokens when the confidence gate ended it."""
+        ...
 
 
 class FixedLength:

@@ -170,3 +170,53 @@ def test_coordinator_uses_adaptive_length_for_adaptive_requests() -> None:
     assert isinstance(make_policy(4, False, max_length=16, greedy=True), FixedLength)
     wide = make_policy(12, True, max_length=16, greedy=True)
     assert isinstance(wide, AdaptiveLength) and wide.max_length == 12
+
+
+# -- with the confidence gate: proposals may end before the requested length --------------
+SURE, ACCEPT_SURE, ACCEPT_UNSURE = 0.75, 0.95, 0.2
+
+
+def gated_round(k: int, rng: random.Random) -> tuple[int, int]:
+    """(drafted, accepted) for a cap of k: each token is sure with probability SURE; the gate
+    ends the proposal after an unsure one, which is rarely accepted."""
+    drafted, accepted, alive = 0, 0, True
+    while drafted < k:
+        drafted += 1
+        sure = rng.random() < SURE
+        if alive and rng.random() < (ACCEPT_SURE if sure else ACCEPT_UNSURE):
+            accepted += 1
+        else:
+            alive = False
+        if not sure:
+            break
+    return drafted, accepted
+
+
+def gated_rate(k: int, draft_s: float, rounds: int = 20000) -> float:
+    rng = random.Random(k)
+    tokens = seconds = 0.0
+    for _ in range(rounds):
+        drafted, accepted = gated_round(k, rng)
+        tokens += accepted + 1
+        seconds += drafted * draft_s + VERIFY[drafted] + 0.001
+    return tokens / seconds
+
+
+def test_adaptive_with_the_gate_picks_a_near_best_cap_and_finishes_its_sweep() -> None:
+    clock, rng = FakeClock(), random.Random(5)
+    policy = AdaptiveLength(4, 8, clock=clock, decay=0.98)
+    for _ in range(400):
+        k = policy.next_length()
+        drafted, accepted = gated_round(k, rng) if k else (0, 0)
+        proposal = Proposal(list(range(drafted)), None, drafted * 0.012) if k else None
+        verification = Verification(accepted, 0, VERIFY[drafted])
+        clock.now += drafted * 0.012 + VERIFY[drafted] + 0.001
+        policy.observe(k, accepted, proposal, verification)
+    # Costs are kept per requested length, so every length gets measured even though the
+    # gate rarely lets 8 tokens through; the sweep ends.
+    assert all(policy.costs.samples(k) >= policy.min_samples for k in range(9))
+    rates = {k: gated_rate(k, 0.012) for k in range(1, 9)}
+    rates[0] = 1 / (VERIFY[0] + 0.001)
+    assert max(rates, key=rates.__getitem__) >= 4  # long caps pay here, thanks to the gate
+    top = Counter(policy.chosen[-150:]).most_common(1)[0][0]
+    assert rates[top] >= 0.95 * max(rates.values()), (top, rates)

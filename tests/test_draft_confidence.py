@@ -79,3 +79,23 @@ def test_history_unchanged_by_gate() -> None:
     committed.extend(first.tokens)
     second = drafter.propose("s", committed, 6, SamplingParams(), min_confidence=0.99)
     assert second.resyncs == 0 and len(second.tokens) >= 1
+
+
+def test_policies_see_the_requested_length_and_the_shorter_proposal() -> None:
+    from specdec.interfaces import Proposal, Verification
+    from specdec.policy import FixedLength
+
+    seen: list[tuple[int, int]] = []
+
+    class Recording(FixedLength):
+        def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,
+                    verification: Verification) -> None:
+            seen.append((asked, len(proposal.tokens) if proposal else 0))
+
+    target, draft = tiny_llama(64, seed=1), tiny_llama(64, seed=2, layers=1, logit_scale=3.0)
+    generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)), PROMPT,
+             GenerateConfig(max_new_tokens=40, draft_confidence=0.6), policy=Recording(6))
+    drafting = [(asked, drafted) for asked, drafted in seen if asked]  # the last may ask 0
+    assert all(asked <= 6 and 1 <= drafted <= asked for asked, drafted in drafting)
+    assert any(drafted < asked for asked, drafted in drafting)
+    assert {asked for asked, _ in drafting[:-3]} == {6}  # the cap, not what the gate let through
