@@ -5,7 +5,8 @@ matrix, so it is bound by reading the weights. On the CPUs measured here (AMD EP
 float32), `F.linear` does that badly for small row counts: one row goes through a GEMV at
 ~10 GB/s, and 2-9 rows through a GEMM path that is slower still (T_target(2) about twice
 T_target(1) for SmolLM2-135M). Computing the transposed product W @ x^T instead reads the
-weights at ~24 GB/s, and padding an odd row count to an even one avoids a slow edge case.
+weights at ~24 GB/s, provided x is row-major (with x^T contiguous the same call is ~5x
+slower), and padding an odd row count to an even one avoids a slow edge case.
 Measured with SmolLM2-135M on 2 threads: T_target(1) 67 -> 37-44 ms, T_draft(1) 6.8 ->
 3.0 ms, T_target(4) 91 -> 54 ms (`specdec bench --costs-only --compare-dtypes
 float32@torch,float32@skinny` reproduces this).
@@ -41,7 +42,9 @@ class SkinnyLinear(nn.Linear):
         flat = input.reshape(rows, features)
         if rows % 2:
             flat = torch.cat([flat, flat[:1]])  # the odd-row path is the slow one
-        out = torch.mm(self.weight, flat.t()).t()[:rows]
+        # Row-major x only: with x^T contiguous MKL takes a path ~5x slower. The output is
+        # made row-major too, or the next layer's input would be the slow layout.
+        out = torch.mm(self.weight, flat.contiguous().t()).t()[:rows].contiguous()
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*input.shape[:-1], self.out_features)
