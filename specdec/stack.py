@@ -78,11 +78,12 @@ class Stack:
 
 def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
                 service_args: Sequence[str] = (), log_dir: Path | None = None,
-                env: dict[str, str] | None = None) -> Stack:
+                env: dict[str, str] | None = None,
+                role_args: dict[str, Sequence[str]] | None = None) -> Stack:
     """Start the three `specdec serve` processes; call wait_healthy() next.
 
     Children get their own session, so a Ctrl-C in the terminal reaches only the parent,
-    which then stops them in order.
+    which then stops them in order. role_args: extra flags for one role (they win).
     """
     ports = dict(ports or {})
     for role in ROLES:
@@ -94,7 +95,7 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     child_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
     for role in ("target", "draft", "coordinator"):
         command = [sys.executable, "-m", "specdec.cli", "serve", role, "--host", host,
-                   "--port", str(ports[role]), *service_args]
+                   "--port", str(ports[role]), *service_args, *(role_args or {}).get(role, ())]
         if role == "coordinator":
             command += ["--draft-endpoint", stack.endpoint("draft"),
                         "--target-endpoint", stack.endpoint("target")]
