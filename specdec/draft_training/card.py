@@ -44,8 +44,12 @@ def write_model_card(out_dir: Path, work_dir: Path) -> None:
         f"- {summary['sequences']:,} continuations, {summary['tokens']:,} target tokens, "
         "sampled from SmolLM2-135M-Instruct (fp32) on the project's templated prompt set "
         "(`specdec/draft_training/prompts.py`); half greedy, half sampled at T=1.",
-        f"- {summary['steps']:,} optimiser steps; training took {summary['train_s'] / 60:.1f} "
-        "min on 2 CPU cores; final loss (cross-entropy to the target's top-k) "
+        f"- {summary['steps']:,} optimiser steps of 16 sequences; the last training run took "
+        f"{summary['train_s'] / 60:.1f} min on 2 CPU cores"
+        + (f" (resumed at step {summary['resumed_from_step']:,})"
+           if summary.get("resumed_from_step") else
+           " (runs resume from checkpoints: this may be the last part only)")
+        + "; final loss (cross-entropy to the target's top-k) "
         f"{summary['final_loss']:.3f}.",
         "",
         f"## Evaluation ({report['num_prompts']} held-out prompts, up to "

@@ -131,6 +131,7 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
         draft.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
+    resumed_from_step = step
     schedule = [b for _ in range(math.ceil(epochs) + 1) for b in _batches(records, batch_size, rng)]
     draft.train()
     last_save = time.monotonic()
@@ -166,7 +167,7 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     tokens = sum(len(r["new_ids"]) for r in records)
     summary = {"sequences": len(records), "tokens": tokens, "steps": total_steps,
                "final_loss": sum(recent) / max(1, len(recent)),
-               "train_s": time.monotonic() - started,
+               "train_s": time.monotonic() - started, "resumed_from_step": resumed_from_step,
                "parameters": sum(p.numel() for p in draft.parameters())}
     (work_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
