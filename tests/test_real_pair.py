@@ -26,10 +26,10 @@ PROMPTS = [
 ]
 DRAFT_DIR = Path(models.__file__).parent / "assets" / "draft"
 # Greedy acceptance rate (accepted / drafted) of the committed draft on these prompts,
-# 32 tokens, gamma 4, measured 0.136 (2026-11-30); a 2-layer truncated copy of the target
-# scores ~0.02 and a wrong token map ~0. The floor sits at half the measured value, so
-# only a broken draft, map or loader trips it.
-ACCEPTANCE_RATE_FLOOR = 0.07
+# 32 tokens, gamma 4, measured 0.181 (2026-11-30, draft trained on 477k tokens); a 2-layer
+# truncated copy of the target scores ~0.02 and a wrong token map ~0. The floor sits at
+# half the measured value, so only a broken draft, map or loader trips it.
+ACCEPTANCE_RATE_FLOOR = 0.09
 
 
 @pytest.fixture(scope="module")

@@ -120,8 +120,8 @@ def test_seeded_sampling_equals_the_in_process_loop(services, target, draft) -> 
 @pytest.mark.skipif(not trained_draft_present(), reason="the trained draft is not committed yet")
 def test_trained_pair_speculates_usefully(services) -> None:
     response = services.stub.Generate(chat_request(max_new_tokens=32), timeout=300)
-    # Measured with the committed draft on this prompt: acceptance rate 0.15, mean accepted
-    # length 1.6 (see its model card for the held-out figures); the floors sit at half the
+    # Measured with the committed draft on this prompt: acceptance rate 0.31, mean accepted
+    # length 2.25 (see its model card for the held-out figures); the floors sit at half the
     # gain, so only a broken draft, token map or wire path trips them.
-    assert response.stats.acceptance_rate > 0.07
-    assert response.stats.mean_accepted_length > 1.3
+    assert response.stats.acceptance_rate > 0.15
+    assert response.stats.mean_accepted_length > 1.6
