@@ -31,6 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
     add_linear_kernel_setting(parser)
+    parser.add_argument("--grpc-torch-threads", type=int, default=1,
+                        help="torch threads of each `specdec serve` process of the gRPC "
+                        "system (they share the machine's cores; 0 = torch default)")
     parser.add_argument("--quick", action="store_true",
                         help="greedy, 1 prompt per category, k in 2,4,adaptive, 32 tokens "
                         "(under 3 minutes on 2 cores); explicit flags still win")
@@ -80,7 +83,8 @@ def settings_from_args(args: argparse.Namespace) -> object:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     return BenchSettings(
         target_model=args.target_model, draft_model=args.draft_model, dtype=args.dtype,
-        torch_threads=args.torch_threads, linear_kernel=args.linear_kernel, modes=modes,
+        torch_threads=args.torch_threads, linear_kernel=args.linear_kernel,
+        grpc_torch_threads=args.grpc_torch_threads, modes=modes,
         systems=_csv(args.systems),
         lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),
         per_category=pick("prompts_per_category", None),  # type: ignore[arg-type]
