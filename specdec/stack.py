@@ -91,7 +91,10 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     stack = Stack(host, ports)
     # The draft and target alternate on the same cores. By default OpenMP threads spin
     # for a while after each parallel region, so the idle process's spinning threads
-    # slowed the other's forward ~7x here (2 cores); passive waiting costs nothing.
+    # slowed the other's forward ~7x here (2 cores). Passive waiting has its own cost:
+    # waking the team for each of a forward's ~200 small GEMMs (2 threads: T_target(1)
+    # 37 -> 63 ms with the skinny kernel), so on a small machine `--torch-threads 1` per
+    # service is faster still (target-only over gRPC: 18.8 vs 14.4 tok/s on 2 cores).
     child_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
     for role in ("target", "draft", "coordinator"):
         command = [sys.executable, "-m", "specdec.cli", "serve", role, "--host", host,
