@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+LINEAR_FILES = ("torch/nn/modules/linear.py", "specdec/kernels.py")
 # (group, predicate on "function (file:line)") in priority order: first match wins.
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("GEMMs (nn.Linear)", ("torch/nn/modules/linear.py",)),
@@ -42,7 +43,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
 
 def classify(stack: list[str]) -> str:
     leaf = stack[-1]
-    if "torch/nn/modules/linear.py" in leaf and len(stack) > 1:
+    if any(f in leaf for f in LINEAR_FILES) and len(stack) > 1:
         # The LM head is called from the *ForCausalLM forward, the layers' GEMMs from
         # the attention and MLP blocks: the split shows what a wide vocabulary costs.
         callers = [frame for frame in stack[:-1] if "torch/nn/modules/module.py" not in frame]

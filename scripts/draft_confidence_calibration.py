@@ -1,0 +1,64 @@
+"""How often the draft's greedy guess equals the target's, by the draft's own confidence.
+
+Decodes the bench prompts greedily with the target, runs the draft teacher-forced along
+the same text, and buckets every position by the draft's top probability: the evidence
+behind the confidence gate's default (SPECDEC_DRAFT_CONFIDENCE).
+
+    .venv/bin/python scripts/draft_confidence_calibration.py --prompts-per-category 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.bench.prompts import chat_encoder, load_prompts, select  # noqa: E402
+from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_causal_lm  # noqa: E402
+from specdec.runner import ModelRunner  # noqa: E402
+
+BUCKETS = [(0.0, 0.2), (0.2, 0.3), (0.3, 0.4), (0.4, 0.5), (0.5, 0.6), (0.6, 0.8), (0.8, 1.01)]
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft-model", default=DEFAULT_DRAFT)
+    parser.add_argument("--prompts-per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    cpu = torch.device("cpu")
+    target = load_causal_lm(DEFAULT_TARGET, cpu, torch.float32, progress=False)
+    draft = load_causal_lm(args.draft_model, cpu, torch.float32, progress=False)
+    vocab = ModelRunner(draft.model, int(target.model.config.vocab_size), draft.token_map).vocab
+    encode = chat_encoder(target.tokenizer)
+    generate: Any = target.model.generate
+    rows: list[tuple[float, bool]] = []
+    for prompt in select(load_prompts(), args.prompts_per_category):
+        ids = encode(prompt.text)
+        out = generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
+                                    do_sample=False, attention_mask=torch.ones(1, len(ids),
+                                                                               dtype=torch.long),
+                                    pad_token_id=0)[0]
+        inputs = vocab.to_model_inputs(out.unsqueeze(0))
+        logits = vocab.restrict(draft.model(input_ids=inputs).logits[0]).float()
+        probs = torch.softmax(logits, dim=-1)
+        for position in range(len(ids) - 1, len(out) - 1):
+            guess = int(vocab.model_to_target_ids(probs[position].argmax().reshape(1))[0])
+            rows.append((float(probs[position].max()), guess == int(out[position + 1])))
+    print(f"{len(rows)} positions, greedy agreement {sum(a for _, a in rows) / len(rows):.2f}")
+    print("| draft confidence | positions | agreement with the target |\n|---|---|---|")
+    for low, high in BUCKETS:
+        bucket = [agree for confidence, agree in rows if low <= confidence < high]
+        if bucket:
+            print(f"| {low:.1f}-{min(high, 1.0):.1f} | {len(bucket)} | "
+                  f"{sum(bucket) / len(bucket):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
