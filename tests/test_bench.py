@@ -141,3 +141,18 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
     plots = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     assert plots == ["breakdown-greedy.png", "breakdown-t1.png", "speedup-greedy.png",
                      "speedup-t1.png"]
+
+
+def test_gate_suffix_sets_the_confidence_gate() -> None:
+    from specdec.bench.systems import draft_confidence
+
+    configs = {c.name: c for c in build_configs(("specdec-local",),
+                                                ("1", "adaptive", "adaptive@0", "confident@0.6"))}
+    assert draft_confidence(configs["specdec-local k=1"]) == 0.0
+    assert draft_confidence(configs["specdec-local k=adaptive"]) == 0.4
+    assert draft_confidence(configs["specdec-local k=adaptive@0"]) == 0.0
+    assert configs["specdec-local k=adaptive@0"].policy == "adaptive"
+    assert draft_confidence(configs["specdec-local k=confident@0.6"]) == 0.6
+    for bad in ("3@0.5", "adaptive@2", "adaptive@x"):
+        with pytest.raises(ValueError, match="confidence gate"):
+            build_configs(("specdec-local",), (bad,))

@@ -52,20 +52,42 @@ class BenchConfig:
     def fixed_length(self) -> int | None:
         return int(self.length) if self.length.isdigit() else None
 
+    @property
+    def policy(self) -> str:
+        """The length without a gate suffix: "adaptive@0.6" -> "adaptive"."""
+        return self.length.partition("@")[0]
+
+    @property
+    def gate(self) -> float | None:
+        """The confidence gate a "POLICY@VALUE" length sets (None: the default)."""
+        _, at, value = self.length.partition("@")
+        return float(value) if at else None
+
+
+def _is_fraction(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
+
 
 def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[BenchConfig]:
     for system in systems:
         if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     for length in lengths:
-        if not (length.isdigit() and int(length) > 0) and length not in POLICIES:
+        policy, at, gate = length.partition("@")
+        if at and (policy not in ("adaptive", "confident") or not _is_fraction(gate)):
+            raise ValueError(f"draft length {length!r}: only adaptive@G and confident@G take "
+                             "a confidence gate G in [0, 1]")
+        if not (length.isdigit() and int(length) > 0) and policy not in POLICIES:
             raise ValueError(f"draft length {length!r}: a positive integer or one of "
                              f"{', '.join(POLICIES)}")
     configs: list[BenchConfig] = []
     for system in systems:
         if system in SPECULATIVE:
             configs += [BenchConfig(system, length) for length in lengths
-                        if not (system == GRPC and length == "heuristic")]
+                        if not (system == GRPC and length.startswith("heuristic"))]
         else:
             configs.append(BenchConfig(system))
     return configs

@@ -197,7 +197,7 @@ class Bench:
         ids = self.encode(WARMUP_PROMPT)
         for config in self.all_configs:
             advance(f"warm-up {config.name}")
-            tokens = self.settings.warmup_tokens if config.length == "adaptive" else 8
+            tokens = self.settings.warmup_tokens if config.policy == "adaptive" else 8
             for mode in self.settings.modes:
                 if config in self.mode_configs[mode]:
                     self.run_one(config, mode, ids, tokens, stable_seed("warmup", mode))

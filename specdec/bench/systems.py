@@ -16,19 +16,21 @@ ADAPTIVE_START = 4  # the first round's length when nothing is known yet (the se
 
 def local_policy(config: BenchConfig, costs: CostModel, greedy: bool,
                  max_length: int) -> LengthPolicy:
-    if config.length == "adaptive":
+    if config.policy == "adaptive":
         return AdaptiveLength(ADAPTIVE_START, max_length, costs=costs,
                               prior_key="greedy" if greedy else "sampled")
-    if config.length == "heuristic":
+    if config.policy == "heuristic":
         return HeuristicLength(ADAPTIVE_START, max_length)
-    if config.length == "confident":
+    if config.policy == "confident":
         return FixedLength(max_length)
     return FixedLength(config.fixed_length or 0)
 
 
 def draft_confidence(config: BenchConfig) -> float:
     """The gate the served coordinator would apply to this configuration's requests."""
-    return DEFAULT_DRAFT_CONFIDENCE if config.length in ("adaptive", "confident") else 0.0
+    if config.gate is not None:
+        return config.gate
+    return DEFAULT_DRAFT_CONFIDENCE if config.policy in ("adaptive", "confident") else 0.0
 
 
 def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
@@ -69,8 +71,8 @@ def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
     request = coordinator_pb2.GenerateRequest(
         prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
         sampling=wire.sampling_to_proto(mode.params(seed)))
-    adaptive = config.length == "adaptive"
-    if config.length == "confident":
+    adaptive = config.policy == "adaptive"
+    if config.policy == "confident":
         request.speculation.num_draft_tokens = max_length
     else:
         request.speculation.num_draft_tokens = ADAPTIVE_START if adaptive else (

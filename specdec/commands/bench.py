@@ -42,7 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run")
     parser.add_argument("--lengths", default=None,
                         help=f"draft lengths (default: {','.join(LENGTHS)}; also 'heuristic'); "
-                        "'confident' = the longest length ended by the confidence gate")
+                        "'confident' = the longest length ended by the confidence gate; "
+                        "adaptive@G / confident@G set the gate G (default 0.4)")
     parser.add_argument("--prompts-per-category", type=int, default=None,
                         help="first N prompts of each category (default: all)")
     parser.add_argument("--sampled-lengths", default=None,
