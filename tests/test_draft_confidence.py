@@ -99,3 +99,22 @@ def test_policies_see_the_requested_length_and_the_shorter_proposal() -> None:
     assert all(asked <= 6 and 1 <= drafted <= asked for asked, drafted in drafting)
     # The cap (6, or what is left of max_new_tokens near the end), not what the gate let through.
     assert any(asked == 6 and drafted < 6 for asked, drafted in drafting)
+
+
+def test_coordinator_applies_the_default_gate_to_adaptive_requests_only() -> None:
+    from coordinator.validation import Limits, validate
+    from specdec.proto.specdec.v1 import coordinator_pb2
+
+    limits = Limits(64, 256, 100, 16, 4, default_draft_confidence=0.4)
+
+    def gate(**speculation: object) -> float:
+        request = coordinator_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=4)
+        for name, value in speculation.items():
+            setattr(request.speculation, name, value)
+        return validate(request, limits, None).draft_confidence
+
+    assert gate() == 0.0  # no speculation: the server's fixed default length, no gate
+    assert gate(num_draft_tokens=3) == 0.0
+    assert gate(num_draft_tokens=3, adaptive=True) == pytest.approx(0.4)
+    assert gate(num_draft_tokens=3, adaptive=True, draft_confidence=0.0) == 0.0
+    assert gate(num_draft_tokens=3, draft_confidence=0.7) == pytest.approx(0.7)
