@@ -20,6 +20,7 @@ LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident")
 # every round, ended by the confidence gate alone: transformers' assisted generation's
 # scheme, in specdec).
 POLICIES = ("adaptive", "heuristic", "confident")
+GATED = ("adaptive", "confident")  # the policies the confidence gate applies to
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[Be
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     for length in lengths:
         policy, at, gate = length.partition("@")
-        if at and (policy not in ("adaptive", "confident") or not _is_fraction(gate)):
+        if at and (policy not in GATED or not _is_fraction(gate)):
             raise ValueError(f"draft length {length!r}: only adaptive@G and confident@G take "
                              "a confidence gate G in [0, 1]")
         if not (length.isdigit() and int(length) > 0) and policy not in POLICIES:

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, HeuristicLength
-from specdec.bench.configs import TARGET_ONLY, BenchConfig, RunRecord, SamplingMode
+from specdec.bench.configs import GATED, TARGET_ONLY, BenchConfig, RunRecord, SamplingMode
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, GenerationResult, generate
 from specdec.policy import FixedLength, LengthPolicy
@@ -30,7 +30,7 @@ def draft_confidence(config: BenchConfig) -> float:
     """The gate the served coordinator would apply to this configuration's requests."""
     if config.gate is not None:
         return config.gate
-    return DEFAULT_DRAFT_CONFIDENCE if config.policy in ("adaptive", "confident") else 0.0
+    return DEFAULT_DRAFT_CONFIDENCE if config.policy in GATED else 0.0
 
 
 def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
