@@ -21,7 +21,8 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
     vocab = model_info(args.target_model).vocab_size
     runner = load_runner(args.draft_model, device=device, dtype=dtype,
                          target_vocab_size=vocab, kv_budget_mb=args.kv_budget_mb,
-                         linear_kernel=args.linear_kernel)
+                         linear_kernel=args.linear_kernel,
+                         attention_kernel=args.attention_kernel)
     servicer = DraftServicer(runner, session_ttl_s=args.session_ttl_s,
                              max_draft_tokens=args.max_draft_tokens, telemetry=telemetry)
     return start_model_server(servicer, args, interceptors, telemetry)

@@ -40,16 +40,20 @@ def add_model_settings(parser: argparse.ArgumentParser,
     add_setting(parser, "--dtype", "float32", "model dtype: float32, bfloat16 or float16")
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
-    add_linear_kernel_setting(parser)
+    add_kernel_settings(parser)
     add_setting(parser, "--kv-budget-mb", 2048, "KV cache memory budget per model (MiB)", type=int)
 
 
-def add_linear_kernel_setting(parser: argparse.ArgumentParser) -> None:
+def add_kernel_settings(parser: argparse.ArgumentParser) -> None:
+    from specdec.attention import ATTENTION_KERNELS
     from specdec.kernels import KERNELS
 
     add_setting(parser, "--linear-kernel", "auto",
                 "matmul kernel of the linear layers: auto (skinny for float32 on CPU), "
                 "torch or skinny; see specdec/kernels.py", choices=KERNELS)
+    add_setting(parser, "--attention-kernel", "auto",
+                "attention of multi-row (verification) forwards: auto (grouped on CPU), "
+                "sdpa or grouped; see specdec/attention.py", choices=ATTENTION_KERNELS)
 
 
 def apply_torch_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:

@@ -143,14 +143,17 @@ class LoadedModel:
 
 
 def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
-                   progress: bool = True, linear_kernel: str = "auto") -> LoadedModel:
-    """Load a causal LM for decoding; linear_kernel: see specdec.kernels."""
+                   progress: bool = True, linear_kernel: str = "auto",
+                   attention_kernel: str = "auto") -> LoadedModel:
+    """Load a causal LM for decoding; kernels: see specdec.kernels and specdec.attention."""
+    from specdec.attention import apply_attention_kernel
     from specdec.kernels import apply_linear_kernel
 
     source = resolve(name_or_path, progress)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
     apply_linear_kernel(model, linear_kernel)
+    apply_attention_kernel(model, attention_kernel)
     token_map = None
     tokenizer = None
     source_path = Path(source)

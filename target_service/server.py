@@ -18,7 +18,8 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
            telemetry: Telemetry | None = None) -> ServerHandle:
     device, dtype = apply_torch_settings(args)
     runner = load_runner(args.target_model, device=device, dtype=dtype,
-                         kv_budget_mb=args.kv_budget_mb, linear_kernel=args.linear_kernel)
+                         kv_budget_mb=args.kv_budget_mb, linear_kernel=args.linear_kernel,
+                         attention_kernel=args.attention_kernel)
     servicer = TargetServicer(runner, session_ttl_s=args.session_ttl_s,
                               max_draft_tokens=args.max_draft_tokens, telemetry=telemetry)
     return start_model_server(servicer, args, interceptors, telemetry)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
+from specdec.attention import apply_attention_kernel
 from specdec.bench.configs import HF_ASSISTED, BenchConfig, RunRecord, SamplingMode
 from specdec.kernels import apply_linear_kernel
 
@@ -46,12 +47,14 @@ class FullVocabDraft(LlamaForCausalLM):
 
 
 def hf_draft(model: Any, token_map: torch.Tensor | None, target_vocab: int,
-             source: str, dtype: torch.dtype, linear_kernel: str = "auto") -> Any:
-    """The draft as transformers' assistant_model (same linear kernel as specdec's)."""
+             source: str, dtype: torch.dtype, linear_kernel: str = "auto",
+             attention_kernel: str = "auto") -> Any:
+    """The draft as transformers' assistant_model (same kernels as specdec's)."""
     if token_map is None:
         return model
     draft = FullVocabDraft.from_pretrained(source, dtype=dtype).eval()
     apply_linear_kernel(draft, linear_kernel)
+    apply_attention_kernel(draft, attention_kernel)
     return draft.attach_map(token_map, target_vocab)
 
 

@@ -45,9 +45,9 @@ def load_runners(settings: BenchSettings, label: str) -> tuple[ModelRunner, Mode
     dtype = torch.float32 if name == "int8" else parse_dtype(name)
     cpu = torch.device("cpu")
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=False,
-                            linear_kernel=kernel)
+                            linear_kernel=kernel, attention_kernel=settings.attention_kernel)
     draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=False,
-                           linear_kernel=kernel)
+                           linear_kernel=kernel, attention_kernel=settings.attention_kernel)
     target_model: Any = target.model
     draft_model: Any = draft.model
     if name == "int8":

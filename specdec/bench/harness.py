@@ -51,6 +51,7 @@ class BenchSettings:
     dtype: str = "float32"
     torch_threads: int = 0
     linear_kernel: str = "auto"
+    attention_kernel: str = "auto"
     # The three services share this machine's cores: one thread each (measured here, 2
     # cores: target-only over gRPC 18.8 tok/s at 1 thread vs 14.4 at 2 passive threads).
     grpc_torch_threads: int = 1
@@ -116,9 +117,11 @@ def load_models(settings: BenchSettings) -> BenchModels:
     dtype = parse_dtype(settings.dtype)
     cpu = torch.device("cpu")
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=settings.progress,
-                            linear_kernel=settings.linear_kernel)
+                            linear_kernel=settings.linear_kernel,
+                            attention_kernel=settings.attention_kernel)
     draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=settings.progress,
-                           linear_kernel=settings.linear_kernel)
+                           linear_kernel=settings.linear_kernel,
+                           attention_kernel=settings.attention_kernel)
     eos = model_info(settings.target_model).eos_token_ids
     return BenchModels(target.model, draft.model, draft.token_map, target.tokenizer, eos,
                        str(resolve(settings.draft_model)))
@@ -136,6 +139,7 @@ class ProcessStack:
         args = ["--target-model", settings.target_model, "--draft-model", settings.draft_model,
                 "--dtype", settings.dtype, "--torch-threads", str(settings.grpc_torch_threads),
                 "--linear-kernel", settings.linear_kernel,
+                "--attention-kernel", settings.attention_kernel,
                 "--max-draft-tokens", str(max(16, settings.max_length))]
         self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         self.startup_timeout_s = settings.startup_timeout_s
@@ -174,7 +178,8 @@ class Bench:
             dtype = next(models.draft.parameters()).dtype
             self.hf_draft = baselines.hf_draft(models.draft, models.token_map, vocab,
                                                models.draft_source, dtype,
-                                               settings.linear_kernel)
+                                               settings.linear_kernel,
+                                               settings.attention_kernel)
         self.grpc = grpc
         self.encode = chat_encoder(models.tokenizer)
 

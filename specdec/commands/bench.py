@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from specdec.config import add_linear_kernel_setting, add_setting
+from specdec.config import add_kernel_settings, add_setting
 
 QUICK = {"modes": "greedy", "lengths": "2,4,adaptive", "prompts_per_category": 1,
          "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24}
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--dtype", "float32", "dtype of every system: float32, bfloat16")
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
-    add_linear_kernel_setting(parser)
+    add_kernel_settings(parser)
     parser.add_argument("--grpc-torch-threads", type=int, default=1,
                         help="torch threads of each `specdec serve` process of the gRPC "
                         "system (they share the machine's cores; 0 = torch default)")
@@ -85,6 +85,7 @@ def settings_from_args(args: argparse.Namespace) -> object:
     return BenchSettings(
         target_model=args.target_model, draft_model=args.draft_model, dtype=args.dtype,
         torch_threads=args.torch_threads, linear_kernel=args.linear_kernel,
+        attention_kernel=args.attention_kernel,
         grpc_torch_threads=args.grpc_torch_threads, modes=modes,
         systems=_csv(args.systems),
         lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),

@@ -1,0 +1,112 @@
+"""Grouped-query attention without the K/V copy: same attention, same greedy text."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from tiny_models import tiny_gpt2, tiny_llama
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specdec.attention import (
+    MAX_QUERY_ROWS,
+    NAME,
+    apply_attention_kernel,
+    grouped_sdpa_forward,
+    resolve_attention,
+)
+from specdec.local import LocalDrafter, LocalVerifier
+from specdec.loop import GenerateConfig, generate
+from specdec.runner import ModelRunner
+
+
+def _causal_tail_mask(q_length: int, kv_length: int) -> torch.Tensor:
+    rows = torch.arange(kv_length - q_length, kv_length)
+    return (torch.arange(kv_length) <= rows[:, None])[None, None]
+
+
+@pytest.mark.parametrize("q_length", [2, 3, 5, MAX_QUERY_ROWS, MAX_QUERY_ROWS + 1])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "per_head", "none"])
+def test_grouped_attention_equals_transformers_sdpa(q_length: int, mask_kind: str) -> None:
+    torch.manual_seed(q_length)
+    heads, kv_heads, kv_length, dim = 9, 3, 40, 16
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    query = torch.randn(1, heads, q_length, dim)
+    key, value = torch.randn(2, 1, kv_heads, kv_length, dim).unbind(0)
+    mask: torch.Tensor | None = _causal_tail_mask(q_length, kv_length)
+    mask[..., 3] = False  # a padded position, so a wrong mask shows
+    if mask_kind == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    elif mask_kind == "per_head":
+        mask = mask.expand(1, heads, -1, -1).clone()
+        mask[:, 4, :, 5] = False  # one head masks one more key
+    elif mask_kind == "none":
+        mask = None
+    # Unmasked, the grouped path puts the queries at the end of the keys (decoding); longer
+    # queries (a prefill) go to transformers' function unchanged, whatever it does.
+    grouped = q_length <= MAX_QUERY_ROWS
+    expected_mask = _causal_tail_mask(q_length, kv_length) if mask is None and grouped else mask
+    expected, _ = sdpa_attention_forward(module, query, key, value, expected_mask, scaling=0.25)
+    out, _ = grouped_sdpa_forward(module, query, key, value, mask, scaling=0.25)
+    assert out.shape == (1, q_length, heads, dim)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_resolves_by_device() -> None:
+    assert resolve_attention("auto", torch.device("cpu")) == "grouped"
+    assert resolve_attention("auto", torch.device("cuda")) == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
+        resolve_attention("flash", torch.device("cpu"))
+
+
+def test_apply_switches_sdpa_models_and_leaves_eager_ones() -> None:
+    model = tiny_llama(vocab_size=32)
+    assert model.config._attn_implementation == "sdpa"
+    assert apply_attention_kernel(model, "auto") == "grouped"
+    assert model.config._attn_implementation == NAME
+    assert apply_attention_kernel(model, "sdpa") == "sdpa"
+    assert model.config._attn_implementation == "sdpa"
+    eager = tiny_llama(vocab_size=32)
+    eager.set_attn_implementation("eager")
+    assert apply_attention_kernel(eager, "grouped") == "eager"
+    assert eager.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(vocab_size=64, seed=3, logit_scale=3.0),
+                                  lambda: tiny_gpt2(vocab_size=64, seed=3)])
+def test_greedy_with_grouped_attention_equals_hf_generate_with_sdpa(make) -> None:  # type: ignore[no-untyped-def]
+    """Only the grouping of query rows changes: greedy text is the target's own."""
+    target = make()
+    reference = copy.deepcopy(target)
+    draft = tiny_llama(vocab_size=64, seed=4, layers=1)
+    apply_attention_kernel(target, "grouped")
+    apply_attention_kernel(draft, "grouped")
+    prompt = [3, 14, 15, 9, 2, 6]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+    for k in (1, 3, 6):
+        result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                          prompt, GenerateConfig(max_new_tokens=40, num_draft_tokens=k))
+        assert result.token_ids == expected, f"k={k}"
+
+
+def test_verification_logits_match_sdpa_on_a_gqa_model() -> None:
+    """A k+1-row forward over a cache gives the same logits with either attention."""
+    model = tiny_llama(vocab_size=64, seed=5, layers=2)
+    reference = copy.deepcopy(model)
+    apply_attention_kernel(model, "grouped")
+    prompt, block = [5, 9, 2, 33, 7, 1, 12, 40], [8, 3, 22, 17]
+    logits = []
+    for m in (reference, model):
+        cache = DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+            positions = torch.arange(len(prompt), len(prompt) + len(block))[None]
+            logits.append(m(input_ids=torch.tensor([block]), cache=cache, use_cache=True,
+                            position_ids=positions).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
