@@ -14,6 +14,8 @@ LOCAL = "specdec-local"
 GRPC = "specdec-grpc"
 SYSTEMS = (TARGET_ONLY, HF_GENERATE, HF_ASSISTED, LOCAL, GRPC)
 SPECULATIVE = (LOCAL, GRPC)
+# Target-only through the same three services: the same-shape baseline of the gRPC runs.
+GRPC_TARGET_ONLY = f"{GRPC} k=0"
 LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident")
 # Besides fixed integers: "adaptive" as served (length per round + the confidence gate),
 # "heuristic" (transformers' +2/-1, in-process only) and "confident" (the longest length
@@ -86,6 +88,8 @@ def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[Be
                              f"{', '.join(POLICIES)}")
     configs: list[BenchConfig] = []
     for system in systems:
+        if system == GRPC:
+            configs.append(BenchConfig(GRPC, "0"))
         if system in SPECULATIVE:
             configs += [BenchConfig(system, length) for length in lengths
                         if not (system == GRPC and length.startswith("heuristic"))]

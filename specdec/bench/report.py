@@ -10,6 +10,13 @@ range are over repeats, the quartiles over prompts. For speculative runs:
   calibrated costs: S(gamma) of shared/REFERENCE.md section 2 at the acceptance and the
   draft length the run actually had (for adaptive, the mean length it chose);
 - ratio = achieved speedup over target-only / bound.
+For specdec over gRPC also, against target-only through the same services (k=0):
+- same-shape speedup = tokens/s / that of the gRPC k=0 run;
+- same-shape bound = tokens per round * T_target(1) / (draft forward + target forward per
+  round), every time measured inside the services during the runs themselves (T_target(1)
+  from the k=0 run), so the bound is S(gamma) at the costs the deployment really had, and
+  the ratio is what transport, serialisation and coordination leave of it. Per-round means
+  include the prefill forward in both runs.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from specdec.bench.configs import SPECULATIVE, TARGET_ONLY, RunRecord
+from specdec.bench.configs import GRPC, GRPC_TARGET_ONLY, SPECULATIVE, TARGET_ONLY, RunRecord
 from specdec.bench.costs import CostCurve, alpha_from_tokens_per_round
 
 ALL = "all"
@@ -83,6 +90,22 @@ def group_stats(rows: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
     return out
 
 
+def same_shape_stats(rows: list[RunRecord], base: list[RunRecord]) -> dict[str, float]:
+    """Speedup and bound of gRPC runs against target-only over the same services."""
+    base_rounds = sum(r.rounds for r in base)
+    rounds = sum(r.rounds for r in rows)
+    if not base_rounds or not rounds or not _rate(base):
+        return {}
+    out = {"speedup_same_shape": _rate(rows) / _rate(base)}
+    target_1_s = sum(r.verify_forward_s for r in base) / base_rounds
+    round_s = sum(r.draft_forward_s + r.verify_forward_s for r in rows) / rounds
+    if sum(r.draft_tokens for r in rows) and round_s > 0 and target_1_s > 0:
+        tokens_per_round = sum(r.new_tokens for r in rows) / rounds
+        out["bound_same_shape"] = tokens_per_round * target_1_s / round_s
+        out["bound_same_shape_ratio"] = out["speedup_same_shape"] / out["bound_same_shape"]
+    return out
+
+
 def _greedy_match(rows: list[RunRecord],
                   baseline: dict[tuple[str, int], list[int]]) -> float | None:
     pairs = [(r.token_ids, baseline.get((r.prompt_id, r.repeat))) for r in rows if r.token_ids]
@@ -98,6 +121,7 @@ def summarise(records: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for mode, configs in grouped.items():
         baseline_rows = configs.get(TARGET_ONLY, [])
+        grpc_baseline_rows = configs.get(GRPC_TARGET_ONLY, [])
         baseline_tokens = {(r.prompt_id, r.repeat): r.token_ids for r in baseline_rows}
         categories = sorted({r.category for r in records})
         mode_out: dict[str, Any] = {}
@@ -114,6 +138,10 @@ def summarise(records: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
                     stats["speedup"] = stats["tokens_per_s"] / base_stats["tokens_per_s"]
                     if "bound" in stats and rows[0].system in SPECULATIVE:
                         stats["bound_ratio"] = stats["speedup"] / stats["bound"]
+                if rows[0].system == GRPC and name != GRPC_TARGET_ONLY:
+                    same_base = [r for r in grpc_baseline_rows
+                                 if category == ALL or r.category == category]
+                    stats.update(same_shape_stats(subset, same_base))
                 match = _greedy_match(subset, baseline_tokens) if mode == "greedy" else None
                 if match is not None:
                     stats["greedy_match"] = match
