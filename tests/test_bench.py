@@ -25,6 +25,7 @@ from specdec.bench.harness import BenchModels, BenchSettings, run_bench
 from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
 from specdec.commands.bench import add_parser, settings_from_args, write_outputs
 from specdec.draft_training.prompts import generate_prompts
+from specdec.draft_training.wide_prompts import generate_wide_prompts
 
 
 def _normal(text: str) -> str:
@@ -39,6 +40,9 @@ def test_prompt_set_is_hand_written_and_disjoint_from_training_prompts() -> None
     assert min(sum(p.category == c for p in prompts) for c in CATEGORIES) >= 8
     generated = {_normal(p.text) for p in generate_prompts(count=20000)}
     assert len(generated) > 5000
+    wide = {_normal(p.text) for p in generate_wide_prompts()}  # all it can make
+    assert len(wide) > 4000
+    generated |= wide
     overlap = [p.id for p in prompts if _normal(p.text) in generated]
     assert not overlap, f"bench prompts equal to training prompts: {overlap}"
 
@@ -61,7 +65,9 @@ def test_bound_formula() -> None:
 
 def test_configs_validate_names() -> None:
     names = [c.name for c in build_configs(("target-only", "specdec-grpc"), ("2", "adaptive"))]
-    assert names == ["target-only", "specdec-grpc k=2", "specdec-grpc k=adaptive"]
+    # gRPC brings its own same-shape baseline, target-only through the services (k=0)
+    assert names == ["target-only", "specdec-grpc k=0", "specdec-grpc k=2",
+                     "specdec-grpc k=adaptive"]
     with pytest.raises(ValueError):
         build_configs(("nope",), ("2",))
     with pytest.raises(ValueError):
@@ -112,31 +118,40 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
     data = json.loads(paths["json"].read_text())
     expected = {"target-only", "hf-generate", "hf-assisted", "specdec-local k=1",
                 "specdec-local k=3", "specdec-local k=adaptive", "specdec-local k=heuristic",
-                "specdec-grpc k=1", "specdec-grpc k=3", "specdec-grpc k=adaptive"}
+                "specdec-grpc k=0", "specdec-grpc k=1", "specdec-grpc k=3",
+                "specdec-grpc k=adaptive"}
     assert set(data["meta"]["configs"]) == expected
     assert set(data["summary"]) == {"greedy", "t1"}
-    # greedy: every config on 8 prompts; t1: target-only, 2 HF, 2 local, 2 gRPC on 4 prompts
-    assert len(data["records"]) == (len(expected) * 8 + 7 * 4) * 2
+    # greedy: every config on 8 prompts; t1: target-only, 2 HF, 2 local, 3 gRPC on 4 prompts
+    assert len(data["records"]) == (len(expected) * 8 + 8 * 4) * 2
     assert set(data["summary"]["t1"]) == {"target-only", "hf-generate", "hf-assisted",
                                           "specdec-local k=3", "specdec-local k=adaptive",
-                                          "specdec-grpc k=3", "specdec-grpc k=adaptive"}
+                                          "specdec-grpc k=0", "specdec-grpc k=3",
+                                          "specdec-grpc k=adaptive"}
     greedy = data["summary"]["greedy"]
     for name in expected:
         entry = greedy[name]
         assert set(CATEGORIES) <= set(entry) and entry["all"]["tokens_per_s"] > 0
         assert len(entry["all"]["tokens_per_s_repeats"]) == 2
-        if name.startswith("specdec"):
+        if name == "specdec-grpc k=0":
+            assert entry["all"]["greedy_match"] == 1.0 and "bound" not in entry["all"]
+        elif name.startswith("specdec"):
             stats = entry["all"]
             assert stats["greedy_match"] == 1.0  # exactness, whatever the draft
             assert 0 <= stats["acceptance_rate"] <= 1 and stats["bound"] > 0
             assert "bound_ratio" in stats and stats["per_round"]["target_model_ms"] > 0
     assert greedy["specdec-grpc k=3"]["all"]["per_round"]["bytes"] > 0
+    same_shape = greedy["specdec-grpc k=3"]["all"]
+    assert same_shape["speedup_same_shape"] > 0 and same_shape["bound_same_shape"] > 0
+    assert same_shape["bound_same_shape_ratio"] == pytest.approx(
+        same_shape["speedup_same_shape"] / same_shape["bound_same_shape"])
     assert greedy["specdec-local k=adaptive"]["all"]["chosen_lengths"]
     assert set(data["costs"]["t_target_s"]) == {str(k) for k in range(1, 10)}
     assert [c["label"] for c in data["dtype_costs"]] == ["float32"]
     markdown = paths["markdown"].read_text()
     for needle in ("## Measured costs", "## greedy", "## t1", "per category", "per round",
-                   "specdec-grpc k=adaptive", "hf-assisted", "## Goals"):
+                   "specdec-grpc k=adaptive", "hf-assisted", "## Goals",
+                   "against target-only over gRPC", "the services' own costs"):
         assert needle in markdown
     plots = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     assert plots == ["breakdown-greedy.png", "breakdown-t1.png", "speedup-greedy.png",
@@ -156,3 +171,21 @@ def test_gate_suffix_sets_the_confidence_gate() -> None:
     for bad in ("3@0.5", "adaptive@2", "adaptive@x"):
         with pytest.raises(ValueError, match="confidence gate"):
             build_configs(("specdec-local",), (bad,))
+
+
+def test_same_shape_bound_uses_the_services_own_forward_times() -> None:
+    from specdec.bench.configs import RunRecord
+    from specdec.bench.report import same_shape_stats
+
+    # target-only over gRPC: 10 rounds of 1 token, 30 ms forward each, 0.5 s in all
+    base = [RunRecord("g0", "specdec-grpc", "0", "greedy", "p", "chat", 0, 5, 10, 0.5,
+                      rounds=10, verify_s=0.4, verify_forward_s=0.3)]
+    # speculative: 4 rounds, 2.5 tokens each; per round 5 ms drafting + 35 ms verifying
+    rows = [RunRecord("g1", "specdec-grpc", "1", "greedy", "p", "chat", 0, 5, 10, 0.25,
+                      rounds=4, draft_tokens=4, draft_forward_s=0.02, verify_s=0.18,
+                      verify_forward_s=0.14)]
+    stats = same_shape_stats(rows, base)
+    assert stats["speedup_same_shape"] == pytest.approx(40 / 20)
+    assert stats["bound_same_shape"] == pytest.approx(2.5 * 0.030 / 0.040)
+    assert stats["bound_same_shape_ratio"] == pytest.approx(2.0 / (2.5 * 0.75))
+    assert "bound_same_shape" not in same_shape_stats(base, base)  # nothing drafted

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from specdec import models
@@ -27,7 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--out-dir", str(ASSET_DIR), "where the final draft is written")
     add_setting(parser, "--data-budget-s", 3600.0, "stop generating data after this long",
                 type=float)
-    add_setting(parser, "--max-shards", 100, "data shards of --batch-size prompts", type=int)
+    add_setting(parser, "--max-shards", 86,
+                "data shards of --batch-size prompts from the templated prompt set", type=int)
+    add_setting(parser, "--wide-shards", 64,
+                "data shards from the wider prompt set (draft_training/wide_prompts.py)", type=int)
     add_setting(parser, "--batch-size", 48, "prompts per data shard", type=int)
     add_setting(parser, "--draft-layers", 2, "transformer layers in the draft", type=int)
     add_setting(parser, "--draft-vocab", 8192, "reduced vocabulary of the draft head", type=int)
@@ -42,8 +46,13 @@ def run(args: argparse.Namespace) -> int:
     if "data" in args.stages:
         from specdec.draft_training.datagen import generate_shards
 
+        started = time.monotonic()
         generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
                         max_shards=args.max_shards, time_budget_s=args.data_budget_s)
+        remaining_s = args.data_budget_s - (time.monotonic() - started)
+        generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
+                        max_shards=args.wide_shards, time_budget_s=remaining_s,
+                        prompt_set="wide")
     if "train" in args.stages:
         from specdec.draft_training.train import train
 

@@ -17,6 +17,10 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specdec.draft_training.prompts import Prompt, generate_prompts, split
+from specdec.draft_training.wide_prompts import generate_wide_prompts
+
+# Shard file prefix per prompt set; "shard" is the templated set's historical name.
+PROMPT_SETS = {"templated": ("shard", generate_prompts), "wide": ("wide", generate_wide_prompts)}
 
 
 def interleave_by_category(prompts: list[Prompt]) -> list[Prompt]:
@@ -29,24 +33,26 @@ def interleave_by_category(prompts: list[Prompt]) -> list[Prompt]:
 
 def generate_shards(target_dir: str, out_dir: Path, batch_size: int = 48,
                     max_new_tokens: int = 128, top_k: int = 16, max_shards: int = 100,
-                    time_budget_s: float = float("inf")) -> None:
+                    time_budget_s: float = float("inf"), prompt_set: str = "templated") -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    train_prompts, _ = split(generate_prompts())
+    prefix, generate = PROMPT_SETS[prompt_set]
+    train_prompts, _ = split(generate())
     prompts = interleave_by_category(train_prompts)
     num_shards = min(max_shards, len(prompts) // batch_size)
     started = time.monotonic()
-    columns = (TextColumn("distillation data"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("{task.fields[tokens]} tokens"))
+    columns = (TextColumn(f"distillation data ({prompt_set} prompts)"), BarColumn(),
+               MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[tokens]} tokens"))
     with Progress(*columns) as bar:
         task = bar.add_task("shards", total=num_shards, tokens=0)
         total_tokens = 0
         for shard in range(num_shards):
-            path = out_dir / f"shard-{shard:05d}.pt"
+            path = out_dir / f"{prefix}-{shard:05d}.pt"
             if path.exists():
                 bar.advance(task)
                 continue

@@ -23,7 +23,7 @@ Record = dict[str, torch.Tensor]
 
 def load_records(data_dir: Path) -> list[Record]:
     records: list[Record] = []
-    for path in sorted(data_dir.glob("shard-*.pt")):
+    for path in sorted(data_dir.glob("*-[0-9][0-9][0-9][0-9][0-9].pt")):
         records.extend(torch.load(path)["records"])
     if not records:
         raise FileNotFoundError(f"no distillation shards in {data_dir}; run datagen first")
