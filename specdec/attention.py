@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specdec_grouped_sdpa"
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped")

@@ -110,3 +110,11 @@ def test_verification_logits_match_sdpa_on_a_gqa_model() -> None:
             logits.append(m(input_ids=torch.tensor([block]), cache=cache, use_cache=True,
                             position_ids=positions).logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bench_format_label_names_the_attention_kernel() -> None:
+    from specdec.bench.dtypes import load_runners
+    from specdec.bench.harness import BenchSettings
+
+    with pytest.raises(ValueError, match="unknown attention kernel 'flash' in 'float32@"):
+        load_runners(BenchSettings(), "float32@skinny@flash")

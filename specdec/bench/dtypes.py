@@ -3,8 +3,9 @@
 "float32", "bfloat16", "float16": weights and activations in that dtype.
 "int8": float32 model whose nn.Linear layers (LM head included) are replaced by
 torch's dynamic int8 quantisation (int8 weights, activations quantised per call).
-"FORMAT@KERNEL" (e.g. "float32@torch") also picks the linear kernel (specdec.kernels);
-without it the bench's --linear-kernel applies.
+"FORMAT@KERNEL" (e.g. "float32@torch") also picks the linear kernel (specdec.kernels),
+and "FORMAT@KERNEL@ATTENTION" (e.g. "float32@skinny@sdpa") the attention kernel
+(specdec.attention); without them the bench's --linear-kernel / --attention-kernel apply.
 """
 
 from __future__ import annotations
@@ -30,11 +31,17 @@ def quantize_int8(model: Any) -> Any:
 
 
 def load_runners(settings: BenchSettings, label: str) -> tuple[ModelRunner, ModelRunner]:
+    from specdec.attention import ATTENTION_KERNELS
     from specdec.kernels import KERNELS
     from specdec.models import load_causal_lm, parse_dtype
 
-    name, _, kernel = label.partition("@")
+    name, _, kernels = label.partition("@")
+    kernel, _, attention = kernels.partition("@")
     kernel = kernel or settings.linear_kernel
+    attention = attention or settings.attention_kernel
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {attention!r} in {label!r}; "
+                         f"choose from {', '.join(ATTENTION_KERNELS)}")
     if name not in FORMATS and name not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}")
     if kernel not in KERNELS:
@@ -45,9 +52,9 @@ def load_runners(settings: BenchSettings, label: str) -> tuple[ModelRunner, Mode
     dtype = torch.float32 if name == "int8" else parse_dtype(name)
     cpu = torch.device("cpu")
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=False,
-                            linear_kernel=kernel, attention_kernel=settings.attention_kernel)
+                            linear_kernel=kernel, attention_kernel=attention)
     draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=False,
-                           linear_kernel=kernel, attention_kernel=settings.attention_kernel)
+                           linear_kernel=kernel, attention_kernel=attention)
     target_model: Any = target.model
     draft_model: Any = draft.model
     if name == "int8":

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from specdec.adaptive import CostModel
+from specdec.attention import resolve_attention
 from specdec.bench import baselines, systems
 from specdec.bench.configs import (
     GRPC,
@@ -300,8 +301,9 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
 
             kernel = resolve_kernel(settings.linear_kernel, torch.device("cpu"),
                                     parse_dtype(settings.dtype))
+            attention = resolve_attention(settings.attention_kernel, torch.device("cpu"))
             costs = measure_costs(bench.target_runner, bench.draft_runner,
-                                  label=f"{settings.dtype}@{kernel}",
+                                  label=f"{settings.dtype}@{kernel}@{attention}",
                                   repeats=settings.calibration_repeats,
                                   progress=lambda: advance(f"calibrating {settings.dtype}"))
             dtype_costs = compare_dtypes(settings, dtype_models, advance)
