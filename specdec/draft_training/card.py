@@ -42,8 +42,9 @@ def write_model_card(out_dir: Path, work_dir: Path) -> None:
         "",
         "## Training data",
         f"- {summary['sequences']:,} continuations, {summary['tokens']:,} target tokens, "
-        "sampled from SmolLM2-135M-Instruct (fp32) on the project's templated prompt set "
-        "(`specdec/draft_training/prompts.py`); half greedy, half sampled at T=1.",
+        "sampled from SmolLM2-135M-Instruct (fp32) on the project's prompt sets: "
+        + _shards_text(summary.get("shards", {"shard": None}))
+        + "; half greedy, half sampled at T=1.",
         f"- {summary['steps']:,} optimiser steps of 16 sequences; the last training run took "
         f"{summary['train_s'] / 60:.1f} min on 2 CPU cores"
         + (f" (resumed at step {summary['resumed_from_step']:,})"
@@ -79,3 +80,10 @@ def write_model_card(out_dir: Path, work_dir: Path) -> None:
         "```",
     ]
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _shards_text(shards: dict[str, int | None]) -> str:
+    names = {"shard": "the templated set (`specdec/draft_training/prompts.py`)",
+             "wide": "the wider request set (`specdec/draft_training/wide_prompts.py`)"}
+    return ", ".join(f"{names.get(prefix, prefix)}" + (f", {count} shards" if count else "")
+                     for prefix, count in shards.items())

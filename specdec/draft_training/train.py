@@ -12,7 +12,9 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,9 +23,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 Record = dict[str, torch.Tensor]
 
 
+def shard_paths(data_dir: Path) -> list[Path]:
+    """Every prompt set's shards: "<prefix>-NNNNN.pt" (datagen.PROMPT_SETS)."""
+    return sorted(data_dir.glob("*-[0-9][0-9][0-9][0-9][0-9].pt"))
+
+
 def load_records(data_dir: Path) -> list[Record]:
     records: list[Record] = []
-    for path in sorted(data_dir.glob("*-[0-9][0-9][0-9][0-9][0-9].pt")):
+    for path in shard_paths(data_dir):
         records.extend(torch.load(path)["records"])
     if not records:
         raise FileNotFoundError(f"no distillation shards in {data_dir}; run datagen first")
@@ -106,7 +113,7 @@ def _loss(draft: LlamaForCausalLM, batch: list[Record], input_map: torch.Tensor,
 def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
           vocab_size: int = 8192, num_layers: int = 2, epochs: float = 2.0,
           batch_size: int = 16, lr: float = 5e-4, checkpoint_every_s: float = 300.0,
-          eos_ids: tuple[int, ...] = (1, 2)) -> dict[str, float]:
+          eos_ids: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     started = time.monotonic()
     records = load_records(data_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +172,9 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     draft.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
     tokens = sum(len(r["new_ids"]) for r in records)
+    shards = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir))
     summary = {"sequences": len(records), "tokens": tokens, "steps": total_steps,
+               "shards": dict(sorted(shards.items())),
                "final_loss": sum(recent) / max(1, len(recent)),
                "train_s": time.monotonic() - started, "resumed_from_step": resumed_from_step,
                "parameters": sum(p.numel() for p in draft.parameters())}
