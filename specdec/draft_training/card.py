@@ -9,7 +9,8 @@ from pathlib import Path
 def _row(result: dict) -> str:
     greedy = result.get("greedy_matches_target")
     check = "" if greedy is None else ("yes" if greedy else "NO")
-    return (f"| {result['temperature']:g} | {result['gamma']} | {result['alpha']:.3f} | "
+    return (f"| {result.get('prompt_set', 'templated')} | {result['temperature']:g} | "
+            f"{result['gamma']} | {result['alpha']:.3f} | "
             f"{result['acceptance_rate']:.3f} | {result['mean_accepted_length']:.2f} | "
             f"{result['draft_tokens']} | {check} |")
 
@@ -53,15 +54,15 @@ def write_model_card(out_dir: Path, work_dir: Path) -> None:
         + "; final loss (cross-entropy to the target's top-k) "
         f"{summary['final_loss']:.3f}.",
         "",
-        f"## Evaluation ({report['num_prompts']} held-out prompts, up to "
+        f"## Evaluation ({report['num_prompts']} held-out prompts of each set, up to "
         f"{report['max_new_tokens']} new tokens, target in fp32, {report['threads']} threads)",
         "alpha = accepted / (accepted + rejections), the per-token acceptance probability; "
         "acceptance rate = accepted / drafted (vLLM's); mean accepted length includes the "
         "bonus/correction token.",
         "",
-        "| T | gamma | alpha | acceptance rate | mean accepted length | draft tokens | "
-        "greedy == target |",
-        "|---|---|---|---|---|---|---|",
+        "| held-out prompts | T | gamma | alpha | acceptance rate | mean accepted length | "
+        "draft tokens | greedy == target |",
+        "|---|---|---|---|---|---|---|---|",
         *(_row(result) for result in report["acceptance"]),
         "",
         "## Costs (median warm-cache forward, ms)",

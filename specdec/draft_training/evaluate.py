@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from specdec.draft_training.datagen import interleave_by_category
-from specdec.draft_training.prompts import generate_prompts, split
+from specdec.draft_training.datagen import PROMPT_SETS, interleave_by_category
+from specdec.draft_training.prompts import split
 from specdec.history import TokenHistory
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, RoundEvent, generate
@@ -34,6 +34,7 @@ class AcceptanceResult:
     alpha: float  # accepted / (accepted + rejections)
     mean_accepted_length: float  # tokens per drafting round, bonus included
     greedy_matches_target: bool | None = None
+    prompt_set: str = "templated"
 
 
 @dataclass
@@ -59,8 +60,9 @@ def speedup_bound(alpha: float, gamma: int, costs: CostResult) -> float:
         gamma * costs.t_draft_1_ms + verify_ms)
 
 
-def held_out_prompt_ids(tokenizer, count: int) -> list[tuple[str, list[int]]]:
-    _, held_out = split(generate_prompts())
+def held_out_prompt_ids(tokenizer, count: int,
+                        prompt_set: str = "templated") -> list[tuple[str, list[int]]]:
+    _, held_out = split(PROMPT_SETS[prompt_set][1]())
     chosen = interleave_by_category(held_out)[:count]
     result = []
     for prompt in chosen:
@@ -146,6 +148,12 @@ def evaluate(draft_runner: ModelRunner, target_runner: ModelRunner, tokenizer, *
         measure_acceptance(draft_runner, target_runner, prompts, 1.0, gamma, max_new_tokens,
                            eos_id),
     ]
+    # The wider request set's held-out prompts (greedy): closer to what users write.
+    wide = measure_acceptance(draft_runner, target_runner,
+                              held_out_prompt_ids(tokenizer, num_prompts, "wide"), 0.0, gamma,
+                              max_new_tokens, eos_id, check_greedy=True)
+    wide.prompt_set = "wide"
+    acceptance.append(wide)
     costs = measure_costs(draft_runner, target_runner, prompts[0][1] * 3)
     report = evaluation_report(acceptance, costs)
     report.update({"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
