@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from tiny_models import tiny_gpt2, tiny_llama
+from tiny_models import assert_speculative_greedy_equals_hf, tiny_gpt2, tiny_llama
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -18,9 +18,6 @@ from specdec.attention import (
     grouped_sdpa_forward,
     resolve_attention,
 )
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.runner import ModelRunner
 
 
 def _causal_tail_mask(q_length: int, kv_length: int) -> torch.Tensor:
@@ -84,15 +81,7 @@ def test_greedy_with_grouped_attention_equals_hf_generate_with_sdpa(make) -> Non
     draft = tiny_llama(vocab_size=64, seed=4, layers=1)
     apply_attention_kernel(target, "grouped")
     apply_attention_kernel(draft, "grouped")
-    prompt = [3, 14, 15, 9, 2, 6]
-    with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      pad_token_id=0)[0, len(prompt):].tolist()
-    for k in (1, 3, 6):
-        result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
-                          prompt, GenerateConfig(max_new_tokens=40, num_draft_tokens=k))
-        assert result.token_ids == expected, f"k={k}"
+    assert_speculative_greedy_equals_hf(target, reference, draft)
 
 
 def test_verification_logits_match_sdpa_on_a_gqa_model() -> None:

@@ -7,13 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_gpt2, tiny_llama
+from tiny_models import assert_speculative_greedy_equals_hf, tiny_gpt2, tiny_llama
 from torch import nn
 
 from specdec.kernels import SKINNY_MAX_ROWS, SkinnyLinear, apply_linear_kernel, resolve_kernel
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.runner import ModelRunner
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 64), (1, 5, 64), (2, 3, 64),
@@ -68,12 +65,4 @@ def test_greedy_with_skinny_kernel_equals_hf_generate_with_torch_kernel(make) ->
     apply_linear_kernel(target, "skinny")
     apply_linear_kernel(draft, "skinny")
     assert any(type(m) is SkinnyLinear for m in target.modules())
-    prompt = [3, 14, 15, 9, 2, 6]
-    with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      pad_token_id=0)[0, len(prompt):].tolist()
-    for k in (1, 3, 6):
-        result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
-                          prompt, GenerateConfig(max_new_tokens=40, num_draft_tokens=k))
-        assert result.token_ids == expected, f"k={k}"
+    assert_speculative_greedy_equals_hf(target, reference, draft)

@@ -22,3 +22,23 @@ def tiny_gpt2(vocab_size: int = 16, seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=256)
     return GPT2LMHeadModel(config).eval()
+
+
+def assert_speculative_greedy_equals_hf(target: torch.nn.Module, reference: torch.nn.Module,
+                                        draft: torch.nn.Module,
+                                        lengths: tuple[int, ...] = (1, 3, 6)) -> None:
+    """specdec's greedy output with `target` == transformers' generate with `reference`."""
+    from specdec.local import LocalDrafter, LocalVerifier
+    from specdec.loop import GenerateConfig, generate
+    from specdec.runner import ModelRunner
+
+    prompt = [3, 14, 15, 9, 2, 6]
+    with torch.no_grad():
+        expected = reference.generate(  # type: ignore[operator]
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            pad_token_id=0)[0, len(prompt):].tolist()
+    for k in lengths:
+        result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                          prompt, GenerateConfig(max_new_tokens=40, num_draft_tokens=k))
+        assert result.token_ids == expected, f"k={k}"

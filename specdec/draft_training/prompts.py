@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 SUBJECTS = [
@@ -105,25 +106,34 @@ class Prompt:
         return hashlib.sha256(self.text.encode()).digest()[0] < 13
 
 
-def generate_prompts(count: int = 6000, seed: int = 0) -> list[Prompt]:
+def sample_prompts(templates: dict[str, list[str]], fill: Callable[[str, random.Random], str],
+                   count: int, seed: int) -> list[Prompt]:
+    """Up to `count` distinct prompts, categories in turn, each a template filled by `fill`."""
     rng = random.Random(seed)
     seen: set[str] = set()
     prompts: list[Prompt] = []
-    categories = list(TEMPLATES)
+    categories = list(templates)
     attempts = 0
     while len(prompts) < count and attempts < count * 50:
         attempts += 1
         category = categories[attempts % len(categories)]
-        template = rng.choice(TEMPLATES[category])
-        text = template.format(
-            s=rng.choice(SUBJECTS), c=rng.choice(CHARACTERS), p=rng.choice(PLACES),
-            lang=rng.choice(LANGUAGES), task=rng.choice(CODE_TASKS),
-            country=rng.choice(COUNTRIES), invention=rng.choice(INVENTIONS),
-            animal=rng.choice(ANIMALS), thing=rng.choice(THINGS))
+        text = fill(rng.choice(templates[category]), rng)
         if text not in seen:
             seen.add(text)
             prompts.append(Prompt(category, text))
     return prompts
+
+
+def _fill(template: str, rng: random.Random) -> str:
+    return template.format(
+        s=rng.choice(SUBJECTS), c=rng.choice(CHARACTERS), p=rng.choice(PLACES),
+        lang=rng.choice(LANGUAGES), task=rng.choice(CODE_TASKS),
+        country=rng.choice(COUNTRIES), invention=rng.choice(INVENTIONS),
+        animal=rng.choice(ANIMALS), thing=rng.choice(THINGS))
+
+
+def generate_prompts(count: int = 6000, seed: int = 0) -> list[Prompt]:
+    return sample_prompts(TEMPLATES, _fill, count, seed)
 
 
 def split(prompts: list[Prompt]) -> tuple[list[Prompt], list[Prompt]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from specdec.draft_training.prompts import Prompt
+from specdec.draft_training.prompts import Prompt, sample_prompts
 
 PEOPLE = ["my brother", "my best friend", "my grandmother", "a colleague", "my neighbour",
           "my teacher", "my boss", "my cousin", "my daughter", "my son", "my partner",
@@ -204,16 +204,4 @@ _WOMEN = {"Ada Lovelace", "Cleopatra", "Florence Nightingale", "Frida Kahlo", "J
 
 
 def generate_wide_prompts(count: int = 6000, seed: int = 1) -> list[Prompt]:
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    prompts: list[Prompt] = []
-    categories = list(TEMPLATES)
-    attempts = 0
-    while len(prompts) < count and attempts < count * 50:
-        attempts += 1
-        category = categories[attempts % len(categories)]
-        text = _fill(rng.choice(TEMPLATES[category]), rng)
-        if text not in seen:
-            seen.add(text)
-            prompts.append(Prompt(category, text))
-    return prompts
+    return sample_prompts(TEMPLATES, _fill, count, seed)
