@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                 type=float)
     add_setting(parser, "--max-shards", 86,
                 "data shards of --batch-size prompts from the templated prompt set", type=int)
-    add_setting(parser, "--wide-shards", 64,
+    add_setting(parser, "--wide-shards", 80,
                 "data shards from the wider prompt set (draft_training/wide_prompts.py)", type=int)
     add_setting(parser, "--batch-size", 48, "prompts per data shard", type=int)
     add_setting(parser, "--draft-layers", 2, "transformer layers in the draft", type=int)
