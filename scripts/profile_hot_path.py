@@ -29,7 +29,7 @@ LINEAR_FILES = ("torch/nn/modules/linear.py", "specdec/kernels.py")
 # (group, predicate on "function (file:line)") in priority order: first match wins.
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("GEMMs (nn.Linear)", ("torch/nn/modules/linear.py",)),
-    ("attention (sdpa)", ("sdpa_attention.py", "scaled_dot_product")),
+    ("attention (sdpa)", ("sdpa_attention.py", "scaled_dot_product", "specdec/attention.py")),
     ("KV cache (transformers cache_utils)", ("cache_utils.py",)),
     ("mask building (transformers masking_utils)", ("masking_utils.py",)),
     ("RMSNorm, RoPE, MLP glue (modeling_llama)", ("modeling_llama.py", "activations.py")),
