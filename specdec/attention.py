@@ -44,7 +44,7 @@ def grouped_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         rows = torch.arange(kv_length - q_length, kv_length, device=query.device)
         attention_mask = (torch.arange(kv_length, device=query.device) <= rows[:, None])
         attention_mask = attention_mask[None, None]
-    mask = attention_mask[..., -kv_length:]
+    mask = attention_mask[..., :kv_length]  # transformers' convention: key positions from 0
     # Head h uses K/V head h // groups, so heads of one group are adjacent in dim 1.
     stacked_query = query.reshape(batch, kv_heads, groups * q_length, head_dim)
     mask_heads = mask.shape[1]
