@@ -84,7 +84,10 @@ def write_model_card(out_dir: Path, work_dir: Path) -> None:
 
 
 def _shards_text(shards: dict[str, int | None]) -> str:
-    names = {"shard": "the templated set (`specdec/draft_training/prompts.py`)",
-             "wide": "the wider request set (`specdec/draft_training/wide_prompts.py`)"}
+    from specdec.draft_training.datagen import PROMPT_SETS
+
+    # Shard prefix -> its prompt set and the module that generates it.
+    names = {prefix: f"the {name} set (`{generate.__module__.replace('.', '/')}.py`)"
+             for name, (prefix, generate) in PROMPT_SETS.items()}
     return ", ".join(f"{names.get(prefix, prefix)}" + (f", {count} shards" if count else "")
                      for prefix, count in shards.items())
