@@ -47,13 +47,13 @@ def run(args: argparse.Namespace) -> int:
     if "data" in args.stages:
         from specdec.draft_training.datagen import generate_shards
 
-        started = time.monotonic()
-        generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
-                        max_shards=args.max_shards, time_budget_s=args.data_budget_s)
-        remaining_s = args.data_budget_s - (time.monotonic() - started)
-        generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
-                        max_shards=args.wide_shards, time_budget_s=remaining_s,
-                        prompt_set="wide")
+        started = time.monotonic()  # one budget for both prompt sets
+        for prompt_set, max_shards in (("templated", args.max_shards),
+                                       ("wide", args.wide_shards)):
+            remaining_s = args.data_budget_s - (time.monotonic() - started)
+            generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
+                            max_shards=max_shards, time_budget_s=remaining_s,
+                            prompt_set=prompt_set)
     if "train" in args.stages:
         from specdec.draft_training.train import train
 
