@@ -237,12 +237,31 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
 
     def __init__(self, route: Route | grpc.Channel, endpoint: str = "", *, vocab_size: int,
                  timeout_s: float, deadline: float | None = None,
-                 relay: ProbsRelay | None = None) -> None:
+                 relay: ProbsRelay | None = None,
+                 descriptions: dict[str, int] | None = None) -> None:
         super().__init__(route, endpoint, draft_pb2_grpc.DraftStub)
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.deadline = deadline
         self.relay = relay
+        # endpoint -> Describe's target_hidden_size, shared across requests by the caller.
+        self.descriptions = descriptions if descriptions is not None else {}
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        """Asked once per replica; a draft that cannot answer is treated as token-only
+        (if it is not, its Propose refuses and the round goes target-only: still exact)."""
+        endpoint = self.endpoint
+        if endpoint not in self.descriptions:
+            try:
+                response = _invoke(self.stub.Describe, draft_pb2.DescribeRequest(),
+                                   timeout=self.timeout_s)
+            except grpc.RpcError as error:
+                log.info("draft %s: Describe failed (%s); sending no hidden states", endpoint,
+                         _describe(error))
+                return False
+            self.descriptions[endpoint] = response.target_hidden_size
+        return self.descriptions[endpoint] > 0
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
@@ -253,6 +272,12 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
             request = draft_pb2.ProposeRequest(sync=wire.sync_to_proto(sync), num_tokens=num_tokens,
                                                sampling=wire.sampling_to_proto(params),
                                                min_confidence=min_confidence)
+            if committed.target_hidden is not None:
+                rows = committed.target_hidden.before(sync.committed_position, len(sync.append))
+                if rows is None:
+                    raise DraftUnavailable("the target's hidden states do not cover the "
+                                           "committed prefix yet")
+                request.target_hidden_states.CopyFrom(wire.encode_hidden(rows))
             timeout = self.timeout_s
             if self.deadline is not None:
                 timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
@@ -335,9 +360,10 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
             if remaining <= 0:
                 raise ServiceUnavailable(f"target {self.endpoint} unavailable: no answer before "
                                          f"the request deadline ({last_error})")
-            request = target_pb2.VerifyRequest(sync=wire.sync_to_proto(sync),
-                                               draft_tokens=draft_tokens,
-                                               sampling=wire.sampling_to_proto(params))
+            request = target_pb2.VerifyRequest(
+                sync=wire.sync_to_proto(sync), draft_tokens=draft_tokens,
+                sampling=wire.sampling_to_proto(params),
+                return_hidden_states=committed.target_hidden is not None)
             if probs_message is not None:
                 request.draft_probs.CopyFrom(probs_message)
             try:
@@ -370,9 +396,18 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                     continue
                 raise from_rpc_error(error, f"target {self.endpoint}") from None
         mirror.record(committed, draft_tokens)
+        hidden = None
+        if request.return_hidden_states and response.HasField("hidden_states"):
+            try:
+                hidden = wire.decode_hidden(
+                    response.hidden_states, len(sync.append) + response.accepted_len,
+                    response.hidden_states.hidden_size, "hidden_states")
+            except InvalidRequest as error:  # the draft goes without; output is unaffected
+                log.warning("target %s: unusable hidden states: %s", self.endpoint, error)
         return Verification(response.accepted_len, response.next_token,
                             time.perf_counter() - started, response.forward_seconds, resyncs,
-                            request.ByteSize() + response.ByteSize())
+                            request.ByteSize() + response.ByteSize(), hidden,
+                            sync.committed_position)
 
     def _probs_message(self, session_id: str, draft_tokens: list[int],
                        draft_probs: torch.Tensor | None,

@@ -98,6 +98,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.tokenizer = tokenizer
         self.decode = decoder(tokenizer)
         self.channels = channels or ChannelPool()
+        self.draft_descriptions: dict[str, int] = {}  # endpoint -> target hidden size read
         self.limits = Limits(target.vocab_size, target.max_context,
                              self.settings.max_new_tokens_limit, self.settings.max_draft_tokens,
                              self.settings.num_draft_tokens, self.settings.draft_confidence)
@@ -194,7 +195,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             drafter = GrpcDrafter(self._route("draft", self.endpoints.draft, session_id),
                                   vocab_size=self.target.vocab_size,
                                   timeout_s=self.settings.draft_timeout_s, deadline=deadline,
-                                  relay=relay)
+                                  relay=relay, descriptions=self.draft_descriptions)
         verifier = GrpcVerifier(self._route("target", self.endpoints.target, session_id),
                                 call_timeout_s=self.settings.target_timeout_s,
                                 deadline=deadline, relay=relay)

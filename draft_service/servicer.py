@@ -42,8 +42,21 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                  f"got {request.num_tokens}")
         if not 0.0 <= request.min_confidence <= 1.0:
             raise InvalidRequest(f"min_confidence must be in [0, 1], got {request.min_confidence}")
+        target_hidden = None
+        if self.runner.needs_target_hidden:
+            if not request.HasField("target_hidden_states"):
+                raise InvalidRequest(
+                    "this draft reads the target's hidden states: send target_hidden_states "
+                    "(one row per sync.append_tokens token; see Describe)")
+            target_hidden = wire.decode_hidden(request.target_hidden_states, len(sync.append),
+                                               self.runner.target_hidden_size,
+                                               "target_hidden_states")
+        elif request.HasField("target_hidden_states"):
+            raise InvalidRequest("target_hidden_states given to a draft that does not read "
+                                 "them (Describe reports target_hidden_size 0)")
         out = self.sessions.call(sync.session_id, lambda: draft_step(
-            self.runner, sync, request.num_tokens, params, request.min_confidence))
+            self.runner, sync, request.num_tokens, params, request.min_confidence,
+            target_hidden))
         # Catch-up tokens in one forward, then one step per further draft token.
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=len(sync.append) + len(out.tokens) - 1,
@@ -55,6 +68,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             # Rows are over the draft's own columns; the token map (if any) names them.
             response.probs.CopyFrom(wire.encode_probs(out.probs, self.runner.vocab.token_map))
         return response
+
+    @rpc_errors
+    def Describe(self, request: draft_pb2.DescribeRequest,
+                 context: grpc.ServicerContext) -> draft_pb2.DescribeResponse:
+        return draft_pb2.DescribeResponse(target_hidden_size=self.runner.target_hidden_size)
 
     @rpc_errors
     def Release(self, request: draft_pb2.DraftReleaseRequest,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch
+
 _MODULUS = (1 << 61) - 1  # Mersenne prime: a polynomial hash with a tiny collision rate
 _BASE = 1_000_003
 
@@ -20,11 +22,14 @@ def extend_fingerprint(fingerprint: int, token: int) -> int:
 class TokenHistory:
     """A token list that knows the fingerprint of each of its prefixes."""
 
-    __slots__ = ("tokens", "_fingerprints")
+    __slots__ = ("tokens", "_fingerprints", "target_hidden")
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.tokens: list[int] = []
         self._fingerprints: list[int] = [0]
+        # Set by the loop when its draft reads the target's hidden states; the verifier
+        # returns them for the positions it commits whenever this is present.
+        self.target_hidden: HiddenStateLog | None = None
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -41,6 +46,8 @@ class TokenHistory:
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
         del self._fingerprints[length + 1:]
+        if self.target_hidden is not None:
+            self.target_hidden.truncate(length)
 
     def fingerprint(self, length: int | None = None) -> int:
         return self._fingerprints[len(self.tokens) if length is None else length]
@@ -51,3 +58,34 @@ class TokenHistory:
             if self.tokens[index] != other[index]:
                 return index
         return limit
+
+
+class HiddenStateLog:
+    """The target's final hidden state at each committed position, as verification
+    returns them: what a feature draft reads (specdec.feature_draft)."""
+
+    def __init__(self) -> None:
+        self._rows: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def record(self, position: int, rows: torch.Tensor) -> None:
+        """rows[i] is the state at position + i; rows past a gap cannot be placed."""
+        if position > len(self._rows):
+            return
+        del self._rows[position:]
+        self._rows.extend(rows.unbind(0))
+
+    def truncate(self, length: int) -> None:
+        del self._rows[length:]
+
+    def before(self, start: int, count: int) -> torch.Tensor | None:
+        """States at positions start-1 .. start+count-2, one per token appended at start..
+        (zeros before position 0); None if any of them is not known yet."""
+        if not self._rows or start + count - 1 > len(self._rows):
+            return None
+        rows = self._rows[max(0, start - 1): start + count - 1]
+        if start == 0:
+            rows = [torch.zeros_like(self._rows[0]), *rows]
+        return torch.stack(rows)

@@ -35,6 +35,10 @@ class Verification:
     forward_s: float = 0.0
     resyncs: int = 0
     wire_bytes: int = 0
+    # The target's hidden states from hidden_position on, for the tokens this call
+    # committed to its cache; only when the committed history carries a HiddenStateLog.
+    hidden: torch.Tensor | None = None
+    hidden_position: int = 0
 
 
 class DraftUnavailable(Exception):
@@ -42,6 +46,12 @@ class DraftUnavailable(Exception):
 
 
 class Drafter(Protocol):
+    @property
+    def needs_target_hidden(self) -> bool:
+        """True for a feature draft: the loop then keeps the target's hidden states in
+        committed.target_hidden and drafts only once they cover the committed prefix."""
+        ...
+
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
         """Up to num_tokens tokens: fewer only when min_confidence stops the draft."""
@@ -52,7 +62,9 @@ class Drafter(Protocol):
 
 class Verifier(Protocol):
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
-               draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification: ...
+               draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification:
+        """Returns the target's hidden states too when committed.target_hidden is set."""
+        ...
 
     def release(self, session_id: str) -> None: ...
 

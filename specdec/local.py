@@ -8,10 +8,10 @@ import torch
 
 from specdec.errors import CacheSyncError
 from specdec.history import TokenHistory
-from specdec.interfaces import CacheMirror, Proposal, Verification
+from specdec.interfaces import CacheMirror, DraftUnavailable, Proposal, Verification
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
-from specdec.steps import draft_step, verify_step
+from specdec.steps import SyncPoint, draft_step, verify_step
 
 
 class LocalDrafter:
@@ -19,21 +19,37 @@ class LocalDrafter:
         self.runner = runner
         self._mirrors: dict[str, CacheMirror] = {}
 
+    @property
+    def needs_target_hidden(self) -> bool:
+        return self.runner.needs_target_hidden
+
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
         started = time.perf_counter()
         mirror = self._mirrors.setdefault(session_id, CacheMirror())
         resyncs = 0
         try:
-            out = draft_step(self.runner, mirror.plan(session_id, committed), num_tokens, params,
-                             min_confidence)
+            sync = mirror.plan(session_id, committed)
+            out = draft_step(self.runner, sync, num_tokens, params, min_confidence,
+                             self._hidden_for(sync, committed))
         except CacheSyncError:  # evicted under memory pressure: rebuild from the prefix
             resyncs = 1
-            out = draft_step(self.runner, mirror.full_resync(session_id, committed),
-                             num_tokens, params, min_confidence)
+            sync = mirror.full_resync(session_id, committed)
+            out = draft_step(self.runner, sync, num_tokens, params, min_confidence,
+                             self._hidden_for(sync, committed))
         mirror.record(committed, out.tokens[:-1])
         probs = None if out.probs is None else self.runner.vocab.to_target_probs(out.probs)
         return Proposal(out.tokens, probs, time.perf_counter() - started, out.forward_s, resyncs)
+
+    def _hidden_for(self, sync: SyncPoint, committed: TokenHistory) -> torch.Tensor | None:
+        if not self.needs_target_hidden:
+            return None
+        log = committed.target_hidden
+        rows = None if log is None else log.before(sync.committed_position, len(sync.append))
+        if rows is None:
+            raise DraftUnavailable("the target's hidden states do not cover the committed "
+                                   "prefix yet")
+        return rows
 
     def release(self, session_id: str) -> None:
         self._mirrors.pop(session_id, None)
@@ -50,16 +66,20 @@ class LocalVerifier:
         started = time.perf_counter()
         mirror = self._mirrors.setdefault(session_id, CacheMirror())
         resyncs = 0
+        return_hidden = committed.target_hidden is not None
         try:
-            out = verify_step(self.runner, mirror.plan(session_id, committed), draft_tokens,
-                              draft_probs, params)
+            sync = mirror.plan(session_id, committed)
+            out = verify_step(self.runner, sync, draft_tokens, draft_probs, params,
+                              return_hidden)
         except CacheSyncError:
             resyncs = 1
-            out = verify_step(self.runner, mirror.full_resync(session_id, committed),
-                              draft_tokens, draft_probs, params)
+            sync = mirror.full_resync(session_id, committed)
+            out = verify_step(self.runner, sync, draft_tokens, draft_probs, params,
+                              return_hidden)
         mirror.record(committed, draft_tokens)
         return Verification(out.verdict.accepted_len, out.verdict.next_token,
-                            time.perf_counter() - started, out.forward_s, resyncs)
+                            time.perf_counter() - started, out.forward_s, resyncs,
+                            hidden=out.hidden, hidden_position=sync.committed_position)
 
     def release(self, session_id: str) -> None:
         self._mirrors.pop(session_id, None)

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdec.history import TokenHistory
+from specdec.history import HiddenStateLog, TokenHistory
 from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verifier
 from specdec.policy import DraftBackoff, FixedLength, LengthPolicy
 from specdec.sampling import SamplingParams
@@ -84,6 +84,13 @@ class StopChecker:
         return len(token_ids), text[:cut]
 
 
+def _draft_inputs_ready(committed: TokenHistory) -> bool:
+    """A feature draft needs the target's state at every committed position but the last
+    (the token the target has not seen yet); the first round, target-only, provides them."""
+    log = committed.target_hidden
+    return log is None or len(log) >= len(committed) - 1
+
+
 def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int],
              config: GenerateConfig, *, policy: LengthPolicy | None = None,
              decode: Callable[[list[int]], str] | None = None,
@@ -95,6 +102,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
     backoff = backoff or DraftBackoff()
     stopper = StopChecker(config.stop, decode)
     committed = TokenHistory(prompt_ids)
+    if drafter is not None and getattr(drafter, "needs_target_hidden", False):
+        committed.target_hidden = HiddenStateLog()
     prompt_len = len(committed)
     stats = GenerationStats()
     started = time.perf_counter()
@@ -105,7 +114,7 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             remaining = config.max_new_tokens - (len(committed) - prompt_len)
             # A round emits accepted_len + 1 tokens, so drafting past remaining - 1 is waste.
             asked = min(policy.next_length(), remaining - 1)
-            if drafter is None:
+            if drafter is None or not _draft_inputs_ready(committed):
                 asked = 0
             proposal = None
             if asked > 0 and backoff.ready():
@@ -121,6 +130,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             draft_tokens = proposal.tokens if proposal else []
             verification = verifier.verify(session_id, committed, draft_tokens,
                                            proposal.probs if proposal else None, params)
+            if committed.target_hidden is not None and verification.hidden is not None:
+                committed.target_hidden.record(verification.hidden_position, verification.hidden)
             emitted = draft_tokens[: verification.accepted_len] + [verification.next_token]
             position_before = len(committed)
             for cut, token in enumerate(emitted):

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -25,8 +26,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "specdec-draft"
+FEATURE_DRAFT = "specdec-feature-draft"  # reads the target's hidden states (feature_draft.py)
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DRAFT_DIR = Path(__file__).parent / "assets" / "draft"
+_FEATURE_DRAFT_DIR = Path(__file__).parent / "assets" / "feature-draft"
 # The GGUF records eos=<|im_end|> (id 2) but the converted tokenizer sets both bos and eos
 # to <|im_start|>; chat turns end with <|im_end|>, so generation must stop there.
 _SMOLLM2_EOS = "<|im_end|>"
@@ -125,12 +128,15 @@ def resolve(name_or_path: str, progress: bool = True) -> Path | str:
     """Map the embedded names to local dirs; pass any other path or hub id through."""
     if name_or_path in ("", DEFAULT_TARGET):
         return prepare_smollm2(progress)
-    if name_or_path == DEFAULT_DRAFT:
-        if not (_DRAFT_DIR / "config.json").exists():
+    embedded = {DEFAULT_DRAFT: (_DRAFT_DIR, "train-draft"),
+                FEATURE_DRAFT: (_FEATURE_DRAFT_DIR, "train-feature-draft")}
+    if name_or_path in embedded:
+        directory, command = embedded[name_or_path]
+        if not (directory / "config.json").exists():
             raise FileNotFoundError(
-                f"the embedded draft is missing from {_DRAFT_DIR}; train one with "
-                "`specdec train-draft` or pass --draft-model")
-        return _DRAFT_DIR
+                f"the embedded draft {name_or_path!r} is missing from {directory}; train it "
+                f"with `specdec {command}` or pass --draft-model")
+        return directory
     return name_or_path
 
 
@@ -150,7 +156,7 @@ def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
     from specdec.kernels import apply_linear_kernel
 
     source = resolve(name_or_path, progress)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model = _model_class(source).from_pretrained(source, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
     apply_linear_kernel(model, linear_kernel)
     apply_attention_kernel(model, attention_kernel)
@@ -165,6 +171,16 @@ def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
     except (OSError, ValueError):
         tokenizer = None
     return LoadedModel(model, tokenizer, token_map, str(name_or_path or DEFAULT_TARGET))
+
+
+def _model_class(source: Path | str) -> Any:
+    """FeatureDraftForCausalLM for a feature draft (its config says so), else Auto."""
+    from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
+
+    config_path = Path(source) / "config.json"
+    if config_path.exists() and TARGET_HIDDEN_SIZE_KEY in json.loads(config_path.read_text()):
+        return FeatureDraftForCausalLM
+    return AutoModelForCausalLM
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
+from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
 from specdec.vocab import VocabAdapter
 
@@ -44,6 +45,8 @@ class ExtendResult:
     kv_length: int
     forward_s: float
     tokens_processed: int
+    # [hidden_rows, hidden] final-norm outputs of the last hidden_rows tokens, if asked
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -62,6 +65,9 @@ class ModelRunner:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.RLock()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.needs_target_hidden = is_feature_draft(model)
+        self.target_hidden_size = int(getattr(model.config, TARGET_HIDDEN_SIZE_KEY, 0)
+                                      if self.needs_target_hidden else 0)
 
     # -- session bookkeeping -------------------------------------------------------------
     @property
@@ -112,16 +118,31 @@ class ModelRunner:
 
     # -- the one operation -----------------------------------------------------------------
     def extend(self, session_id: str, committed_position: int, fingerprint: int,
-               tokens: list[int], num_logits: int = 1) -> ExtendResult:
+               tokens: list[int], num_logits: int = 1, *, hidden_rows: int = 0,
+               target_hidden: torch.Tensor | None = None) -> ExtendResult:
         """Roll the session back to committed_position, append tokens, run one forward.
 
         committed_position == 0 (re)starts the session. Raises CacheSyncError when the
         cache does not hold the named prefix, so the caller can re-sync from scratch.
+        hidden_rows: also return the final-norm hidden states of the last hidden_rows
+        tokens. target_hidden: [len(tokens), hidden], what a feature draft reads.
         """
         if not tokens:
             raise InvalidRequest("extend needs at least one new token")
         if not 1 <= num_logits <= len(tokens):
             raise InvalidRequest(f"num_logits must be in [1, {len(tokens)}], got {num_logits}")
+        if not 0 <= hidden_rows <= len(tokens):
+            raise InvalidRequest(f"hidden_rows must be in [0, {len(tokens)}], got {hidden_rows}")
+        if self.needs_target_hidden:
+            if target_hidden is None or tuple(target_hidden.shape) != (len(tokens),
+                                                                        self.target_hidden_size):
+                shape = None if target_hidden is None else tuple(target_hidden.shape)
+                raise InvalidRequest(
+                    f"this draft reads the target's hidden states: expected "
+                    f"[{len(tokens)}, {self.target_hidden_size}] for {len(tokens)} tokens, "
+                    f"got {shape}")
+        elif target_hidden is not None:
+            raise InvalidRequest("target hidden states given to a model that does not read them")
         with self._lock:
             session = self._checked_session(session_id, committed_position, fingerprint)
             new_length = committed_position + len(tokens)
@@ -139,19 +160,23 @@ class ModelRunner:
                 session.cache.crop(committed_position - len(session.history))
             session.history.truncate(committed_position)
             started = time.perf_counter()
-            logits = self._forward(session, tokens, num_logits)[-num_logits:]
+            logits, hidden = self._forward(session, tokens, num_logits, hidden_rows,
+                                           target_hidden)
             forward_s = time.perf_counter() - started
             session.history.extend(tokens)
-            return ExtendResult(logits, len(session.history), forward_s, len(tokens))
+            return ExtendResult(logits[-num_logits:], len(session.history), forward_s,
+                                len(tokens), hidden)
 
-    def append(self, session_id: str, tokens: list[int]) -> ExtendResult:
+    def append(self, session_id: str, tokens: list[int], *, hidden_rows: int = 0,
+               target_hidden: torch.Tensor | None = None) -> ExtendResult:
         """Extend a live session at its current end (speculative draft steps)."""
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
                 raise CacheSyncError(f"session {session_id!r} was evicted while drafting")
             held = len(session.history)
-            return self.extend(session_id, held, session.history.fingerprint(), tokens)
+            return self.extend(session_id, held, session.history.fingerprint(), tokens,
+                               hidden_rows=hidden_rows, target_hidden=target_hidden)
 
     def _checked_session(self, session_id: str, committed_position: int,
                          fingerprint: int) -> Session | None:
@@ -177,7 +202,9 @@ class ModelRunner:
         return session
 
     @torch.inference_mode()
-    def _forward(self, session: Session, tokens: list[int], num_logits: int) -> torch.Tensor:
+    def _forward(self, session: Session, tokens: list[int], num_logits: int, hidden_rows: int,
+                 target_hidden: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         ids = self.vocab.to_model_inputs(ids)
         if session.cache is None:
@@ -186,7 +213,20 @@ class ModelRunner:
         positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
         # Only the last num_logits rows go through the LM head (a prefill needs one row,
         # not one per prompt token: 49152 x 576 per row for SmolLM2).
-        kwargs = {"logits_to_keep": num_logits} if self._logits_to_keep else {}
-        out = self.model(input_ids=ids, cache=session.cache, position_ids=positions,
-                         use_cache=True, **kwargs)
-        return self.vocab.restrict(out.logits[0]).float()
+        kwargs: dict[str, object] = {"logits_to_keep": num_logits} if self._logits_to_keep else {}
+        if target_hidden is not None:
+            kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
+        captured: list[torch.Tensor] = []
+        hook = None
+        if hidden_rows:
+            # The final norm sees every position, the LM head only the last num_logits.
+            hook = final_norm(self.model).register_forward_hook(
+                lambda _module, _inputs, output: captured.append(output))
+        try:
+            out = self.model(input_ids=ids, cache=session.cache, position_ids=positions,
+                             use_cache=True, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+        hidden = captured[-1][0, -hidden_rows:].float() if hidden_rows else None
+        return self.vocab.restrict(out.logits[0]).float(), hidden

@@ -50,6 +50,10 @@ class VerifyOutput:
     kv_length: int
     forward_s: float
     tokens_processed: int
+    # The target's hidden states of the tokens this round committed to its cache (the
+    # sync's append plus the accepted draft tokens), from sync.committed_position; only
+    # when asked (a feature draft reads them).
+    hidden: torch.Tensor | None = None
 
 
 def confidence(logits: torch.Tensor, probs: torch.Tensor, model_id: torch.Tensor,
@@ -62,9 +66,14 @@ def confidence(logits: torch.Tensor, probs: torch.Tensor, model_id: torch.Tensor
 
 
 def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
-               params: SamplingParams, min_confidence: float = 0.0) -> DraftOutput:
+               params: SamplingParams, min_confidence: float = 0.0,
+               target_hidden: torch.Tensor | None = None) -> DraftOutput:
+    """target_hidden: for a feature draft, the target's hidden state one position before
+    each of sync.append's tokens; its own output state stands in for the tokens it drafts."""
+    reads_hidden = runner.needs_target_hidden
     result = runner.extend(sync.session_id, sync.committed_position, sync.fingerprint,
-                           sync.append, num_logits=1)
+                           sync.append, num_logits=1, hidden_rows=int(reads_hidden),
+                           target_hidden=target_hidden)
     forward_s = result.forward_s
     tokens: list[int] = []
     rows: list[torch.Tensor] = []
@@ -79,22 +88,30 @@ def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
                 confidence(logits, probs, model_id, params.greedy) < min_confidence:
             break
         if index + 1 < num_tokens:  # the last proposal is never fed: verification decides
-            step = runner.append(sync.session_id, [token])
+            step = runner.append(sync.session_id, [token], hidden_rows=int(reads_hidden),
+                                 target_hidden=result.hidden)
             logits, forward_s = step.logits, forward_s + step.forward_s
+            result = step
     probs_out = None if params.greedy else torch.stack(rows)
     return DraftOutput(tokens, probs_out, runner.kv_length(sync.session_id), forward_s)
 
 
 def verify_step(runner: ModelRunner, sync: SyncPoint, draft_tokens: list[int],
-                draft_probs: torch.Tensor | None, params: SamplingParams) -> VerifyOutput:
+                draft_probs: torch.Tensor | None, params: SamplingParams,
+                return_hidden: bool = False) -> VerifyOutput:
     """draft_probs: dense [k, target vocab] q (ignored when greedy)."""
     block = sync.append + draft_tokens
     result = runner.extend(sync.session_id, sync.committed_position, sync.fingerprint, block,
-                           num_logits=len(draft_tokens) + 1)
+                           num_logits=len(draft_tokens) + 1,
+                           hidden_rows=len(block) if return_hidden else 0)
     # Greedy needs only argmax, which the raw logits give without a softmax.
     target_probs = result.logits if params.greedy else process_logits(result.logits, params)
     tokens = torch.tensor(draft_tokens, dtype=torch.long, device=target_probs.device)
     if draft_probs is not None:
         draft_probs = draft_probs.to(target_probs.device)
     verdict = verify(tokens, draft_probs, target_probs, params, sync.next_position)
-    return VerifyOutput(verdict, result.kv_length, result.forward_s, result.tokens_processed)
+    hidden = None
+    if result.hidden is not None:
+        hidden = result.hidden[: len(sync.append) + verdict.accepted_len]
+    return VerifyOutput(verdict, result.kv_length, result.forward_s, result.tokens_processed,
+                        hidden)

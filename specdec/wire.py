@@ -18,6 +18,7 @@ from specdec.sampling import SamplingParams
 from specdec.steps import SyncPoint
 
 _F32 = np.dtype("<f4")
+_F16 = np.dtype("<f2")
 _I32 = np.dtype("<i4")
 
 
@@ -133,6 +134,30 @@ def decode_probs(message: common_pb2.DraftProbs, num_rows: int, vocab_size: int,
     else:
         raise InvalidRequest(f"{field} is required for a sampled request with draft tokens")
     return out
+
+
+# -- target hidden states ------------------------------------------------------------------
+def encode_hidden(hidden: torch.Tensor) -> common_pb2.HiddenStates:
+    rows = hidden.detach().to("cpu", torch.float16).contiguous().numpy().astype(_F16)
+    return common_pb2.HiddenStates(num_rows=hidden.shape[0], hidden_size=hidden.shape[1],
+                                   values=rows.tobytes())
+
+
+def decode_hidden(message: common_pb2.HiddenStates, num_rows: int, hidden_size: int,
+                  field: str) -> torch.Tensor:
+    """[num_rows, hidden_size] float32, checked against what the caller expects."""
+    if (message.num_rows, message.hidden_size) != (num_rows, hidden_size):
+        raise InvalidRequest(
+            f"{field} must hold {num_rows} rows of {hidden_size} values (one per appended "
+            f"token), got {message.num_rows} x {message.hidden_size}")
+    if len(message.values) != 2 * num_rows * hidden_size:
+        raise InvalidRequest(f"{field}.values must be {num_rows * hidden_size} float16 values, "
+                             f"got {len(message.values)} bytes")
+    values = np.frombuffer(message.values, dtype=_F16).astype(np.float32)
+    hidden = torch.from_numpy(values).reshape(num_rows, hidden_size)
+    if not bool(torch.isfinite(hidden).all()):
+        raise InvalidRequest(f"{field} must be finite")
+    return hidden
 
 
 def _floats(raw: bytes, field: str) -> torch.Tensor:

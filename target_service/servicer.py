@@ -53,15 +53,18 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             if bool((drawn <= 0).any()):  # a token cannot come from a row that excludes it
                 raise InvalidRequest("draft_probs gives probability 0 to a draft token")
         out = self.sessions.call(sync.session_id, lambda: verify_step(
-            self.runner, sync, draft_tokens, probs, params))
+            self.runner, sync, draft_tokens, probs, params, request.return_hidden_states))
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=out.tokens_processed,
             kv_length=out.kv_length, committed_position=sync.committed_position,
             catch_up_tokens=len(sync.append),
             attributes={names.ACCEPTED: out.verdict.accepted_len})
-        return target_pb2.VerifyResponse(
+        response = target_pb2.VerifyResponse(
             accepted_len=out.verdict.accepted_len, next_token=out.verdict.next_token,
             kv_length=out.kv_length, forward_seconds=out.forward_s)
+        if out.hidden is not None:
+            response.hidden_states.CopyFrom(wire.encode_hidden(out.hidden))
+        return response
 
     @rpc_errors
     def Release(self, request: target_pb2.TargetReleaseRequest,

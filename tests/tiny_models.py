@@ -42,3 +42,22 @@ def assert_speculative_greedy_equals_hf(target: torch.nn.Module, reference: torc
         result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
                           prompt, GenerateConfig(max_new_tokens=40, num_draft_tokens=k))
         assert result.token_ids == expected, f"k={k}"
+
+
+def tiny_feature_draft(vocab_size: int = 16, target_hidden: int = 32, seed: int = 0,
+                       logit_scale: float = 1.0) -> torch.nn.Module:
+    """A 1-layer draft that reads a target's hidden states (specdec.feature_draft)."""
+    from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    setattr(config, TARGET_HIDDEN_SIZE_KEY, target_hidden)
+    model = FeatureDraftForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale / model.lm_head.weight.std() / 32**0.5 * 2)
+        # Let the target's state dominate the input, as training makes it: the draft's
+        # proposals then depend on it, so a misaligned row changes what it proposes.
+        model.feature_fc.weight[:, 32:].mul_(4.0)
+    return model

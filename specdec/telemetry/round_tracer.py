@@ -228,6 +228,10 @@ class _TracedDrafter:
     def __init__(self, inner: Drafter, owner: RequestTracer) -> None:
         self.inner, self.owner = inner, owner
 
+    @property
+    def needs_target_hidden(self) -> bool:
+        return self.inner.needs_target_hidden
+
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
         self.owner.begin_round()

@@ -190,3 +190,34 @@ class SparseProbs(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SparseProbs: _TypeAlias = SparseProbs  # noqa: Y015
+
+@_typing.final
+class HiddenStates(_message.Message):
+    """Final hidden states of the target (what its LM head reads), one row per position, for a
+    draft that reads them (a feature draft). They shape only q, never the acceptance rule,
+    so float16 is exact enough.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_ROWS_FIELD_NUMBER: _builtins.int
+    HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    num_rows: _builtins.int
+    hidden_size: _builtins.int
+    values: _builtins.bytes
+    """float16 LE, num_rows * hidden_size values, row-major."""
+    def __init__(
+        self,
+        *,
+        num_rows: _builtins.int = ...,
+        hidden_size: _builtins.int = ...,
+        values: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_size", b"hidden_size", "num_rows", b"num_rows", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HiddenStates: _TypeAlias = HiddenStates  # noqa: Y015

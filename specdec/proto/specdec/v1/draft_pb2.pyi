@@ -27,6 +27,7 @@ class ProposeRequest(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     MIN_CONFIDENCE_FIELD_NUMBER: _builtins.int
+    TARGET_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
     """The most tokens to propose."""
     min_confidence: _builtins.float
@@ -37,6 +38,13 @@ class ProposeRequest(_message.Message):
     def sync(self) -> _common_pb2.SyncPoint: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def target_hidden_states(self) -> _common_pb2.HiddenStates:
+        """Required by a draft that reads the target's hidden states (Describe): one row per
+        sync.append_tokens token, the target's state at the position before it (zeros
+        before position 0). Absent otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -44,10 +52,11 @@ class ProposeRequest(_message.Message):
         num_tokens: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         min_confidence: _builtins.float = ...,
+        target_hidden_states: _common_pb2.HiddenStates | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "sync", b"sync", "target_hidden_states", b"target_hidden_states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_confidence", b"min_confidence", "num_tokens", b"num_tokens", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_confidence", b"min_confidence", "num_tokens", b"num_tokens", "sampling", b"sampling", "sync", b"sync", "target_hidden_states", b"target_hidden_states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -127,3 +136,40 @@ class DraftReleaseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DraftReleaseResponse: _TypeAlias = DraftReleaseResponse  # noqa: Y015
+
+@_typing.final
+class DescribeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
+
+@_typing.final
+class DescribeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    target_hidden_size: _builtins.int
+    """Width of the target hidden states each Propose must carry; 0 = the draft proposes
+    from tokens alone.
+    """
+    def __init__(
+        self,
+        *,
+        target_hidden_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["target_hidden_size", b"target_hidden_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeResponse: _TypeAlias = DescribeResponse  # noqa: Y015

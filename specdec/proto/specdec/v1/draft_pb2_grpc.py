@@ -45,6 +45,11 @@ class DraftStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.DraftReleaseRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.DraftReleaseResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/specdec.v1.Draft/Describe',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.DescribeResponse.FromString,
+                _registered_method=True)
 
 
 class DraftServicer:
@@ -67,6 +72,13 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What the draft needs from its callers (asked once per replica).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +91,11 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.DraftReleaseRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.DraftReleaseResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.DescribeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +153,33 @@ class Draft:
             '/specdec.v1.Draft/Release',
             specdec_dot_v1_dot_draft__pb2.DraftReleaseRequest.SerializeToString,
             specdec_dot_v1_dot_draft__pb2.DraftReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Draft/Describe',
+            specdec_dot_v1_dot_draft__pb2.DescribeRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,8 @@ class DraftStub:
     """
     Release: _grpc.UnaryUnaryMultiCallable[_draft_pb2.DraftReleaseRequest, _draft_pb2.DraftReleaseResponse]
     """Drop the session's cache (idle sessions also expire after a TTL)."""
+    Describe: _grpc.UnaryUnaryMultiCallable[_draft_pb2.DescribeRequest, _draft_pb2.DescribeResponse]
+    """What the draft needs from its callers (asked once per replica)."""
 
 @_typing.type_check_only
 class DraftAsyncStub(DraftStub):
@@ -53,6 +55,8 @@ class DraftAsyncStub(DraftStub):
     """
     Release: _aio.UnaryUnaryMultiCallable[_draft_pb2.DraftReleaseRequest, _draft_pb2.DraftReleaseResponse]  # type: ignore[assignment]
     """Drop the session's cache (idle sessions also expire after a TTL)."""
+    Describe: _aio.UnaryUnaryMultiCallable[_draft_pb2.DescribeRequest, _draft_pb2.DescribeResponse]  # type: ignore[assignment]
+    """What the draft needs from its callers (asked once per replica)."""
 
 class DraftServicer(metaclass=_abc_1.ABCMeta):
     """The draft model: proposes tokens with its own KV cache per session."""
@@ -75,5 +79,13 @@ class DraftServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_draft_pb2.DraftReleaseResponse, _abc.Awaitable[_draft_pb2.DraftReleaseResponse]]:
         """Drop the session's cache (idle sessions also expire after a TTL)."""
+
+    @_abc_1.abstractmethod
+    def Describe(
+        self,
+        request: _draft_pb2.DescribeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_draft_pb2.DescribeResponse, _abc.Awaitable[_draft_pb2.DescribeResponse]]:
+        """What the draft needs from its callers (asked once per replica)."""
 
 def add_DraftServicer_to_server(servicer: DraftServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -27,6 +27,9 @@ class VerifyRequest(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     DRAFT_PROBS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    RETURN_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
+    return_hidden_states: _builtins.bool
+    """Also return the hidden states of the tokens this call commits (for a feature draft)."""
     @_builtins.property
     def sync(self) -> _common_pb2.SyncPoint: ...
     @_builtins.property
@@ -46,10 +49,11 @@ class VerifyRequest(_message.Message):
         draft_tokens: _abc.Iterable[_builtins.int] | None = ...,
         draft_probs: _common_pb2.DraftProbs | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        return_hidden_states: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "draft_tokens", b"draft_tokens", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "draft_tokens", b"draft_tokens", "return_hidden_states", b"return_hidden_states", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -63,12 +67,19 @@ class VerifyResponse(_message.Message):
     NEXT_TOKEN_FIELD_NUMBER: _builtins.int
     KV_LENGTH_FIELD_NUMBER: _builtins.int
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
+    HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     accepted_len: _builtins.int
     """Leading draft tokens kept."""
     next_token: _builtins.int
     """The correction at the first rejection, or the bonus token when all were kept."""
     kv_length: _builtins.int
     forward_seconds: _builtins.float
+    @_builtins.property
+    def hidden_states(self) -> _common_pb2.HiddenStates:
+        """With return_hidden_states: one row per sync.append_tokens token and per accepted
+        draft token, from position sync.committed_position on.
+        """
+
     def __init__(
         self,
         *,
@@ -76,10 +87,11 @@ class VerifyResponse(_message.Message):
         next_token: _builtins.int = ...,
         kv_length: _builtins.int = ...,
         forward_seconds: _builtins.float = ...,
+        hidden_states: _common_pb2.HiddenStates | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hidden_states", b"hidden_states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_len", b"accepted_len", "forward_seconds", b"forward_seconds", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_len", b"accepted_len", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,253 @@
+"""Train a feature draft (specdec.feature_draft) on the distillation shards.
+
+Two stages on top of `datagen`'s shards: `hidden` runs the target once over every
+record (prompt + continuation) and stores its final-norm hidden states (float16, one file
+per shard, resumable); `train` fits the draft. Entry p of a sequence reads (x_p, h_{p-1})
+and is trained to (a) give the target's top-k distribution of x_{p+1} (cross-entropy,
+continuation positions) and (b) reproduce h_p (smooth L1, all positions), so that at
+decode time its own output can stand in for the target's state at the positions it drafts.
+The embeddings and the LM head (the target's, restricted to the token map) stay frozen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.draft_training.train import Record, build_token_map, shard_paths
+from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
+
+
+def extract_hidden_states(target_dir: str, data_dir: Path, hidden_dir: Path,
+                          batch_size: int = 8, time_budget_s: float = float("inf")) -> int:
+    """The target's hidden states for every record of every shard; returns shards done."""
+    hidden_dir.mkdir(parents=True, exist_ok=True)
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    paths = shard_paths(data_dir)
+    started = time.monotonic()
+    columns = (TextColumn("target hidden states"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    done = 0
+    with Progress(*columns) as bar:
+        task = bar.add_task("shards", total=len(paths))
+        for path in paths:
+            out = hidden_dir / path.name
+            if out.exists():
+                done += 1
+                bar.advance(task)
+                continue
+            if time.monotonic() - started > time_budget_s:
+                break
+            records = torch.load(path)["records"]
+            sequences = [torch.cat([r["prompt_ids"], r["new_ids"]]).long() for r in records]
+            states: list[torch.Tensor | None] = [None] * len(sequences)
+            order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+            for start in range(0, len(order), batch_size):
+                group = order[start:start + batch_size]
+                width = max(len(sequences[i]) for i in group)
+                ids = torch.zeros((len(group), width), dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for row, index in enumerate(group):
+                    ids[row, : len(sequences[index])] = sequences[index]
+                    mask[row, : len(sequences[index])] = 1
+                with torch.no_grad():
+                    hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state
+                for row, index in enumerate(group):
+                    states[index] = hidden[row, : len(sequences[index])].to(torch.float16).clone()
+            tmp = out.with_suffix(".tmp")
+            torch.save(states, tmp)
+            tmp.rename(out)
+            done += 1
+            bar.advance(task)
+    return done
+
+
+def load_with_hidden(data_dir: Path, hidden_dir: Path) -> list[Record]:
+    """Records of the shards whose hidden states exist, each with its "hidden" [L, H]."""
+    records: list[Record] = []
+    for path in shard_paths(data_dir):
+        hidden_path = hidden_dir / path.name
+        if not hidden_path.exists():
+            continue
+        for record, hidden in zip(torch.load(path)["records"], torch.load(hidden_path),
+                                  strict=True):
+            records.append({**record, "hidden": hidden})
+    if not records:
+        raise FileNotFoundError(f"no hidden states in {hidden_dir}; run the hidden stage first")
+    return records
+
+
+def make_feature_draft(target_dir: str, token_map: list[int],
+                       num_layers: int) -> FeatureDraftForCausalLM:
+    """Embeddings, final norm and the last num_layers layers from the target."""
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    base = target.config
+    config = LlamaConfig(
+        vocab_size=len(token_map) + 1, hidden_size=base.hidden_size,
+        intermediate_size=base.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=base.num_attention_heads,
+        num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
+        max_position_embeddings=base.max_position_embeddings, rms_norm_eps=base.rms_norm_eps,
+        rope_parameters=base.rope_parameters, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    setattr(config, TARGET_HIDDEN_SIZE_KEY, int(base.hidden_size))  # saved in config.json
+    draft = FeatureDraftForCausalLM(config)
+    with torch.no_grad():
+        embed = target.model.embed_tokens.weight
+        draft.model.embed_tokens.weight[: len(token_map)] = embed[torch.tensor(token_map)]
+        draft.model.embed_tokens.weight[len(token_map)] = embed.mean(0)  # UNK input row
+        for index in range(num_layers):
+            source = target.model.layers[len(target.model.layers) - num_layers + index]
+            draft.model.layers[index].load_state_dict(source.state_dict())
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    draft.tie_weights()
+    draft.model.embed_tokens.weight.requires_grad_(False)  # also the tied LM head
+    return draft
+
+
+def _inputs(batch: list[Record], input_map: torch.Tensor, unk_row: int, hidden_size: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [B, W], the target state before each id, the target state at each id, mask."""
+    sequences = [torch.cat([r["prompt_ids"], r["new_ids"]]).long() for r in batch]
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(batch), width), unk_row, dtype=torch.long)
+    before = torch.zeros(len(batch), width, hidden_size)
+    at = torch.zeros(len(batch), width, hidden_size)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (record, sequence) in enumerate(zip(batch, sequences, strict=True)):
+        length = len(sequence)
+        hidden = record["hidden"].float()
+        ids[row, :length] = input_map[sequence]
+        before[row, 1:length] = hidden[: length - 1]  # zeros before position 0
+        at[row, :length] = hidden
+        mask[row, :length] = 1
+    return ids, before, at, mask
+
+
+def _distribution_targets(batch: list[Record], input_map: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch rows, positions, top-k draft rows, top-k probs): entry p predicts x_{p+1},
+    so continuation token j (at prompt_len + j) is predicted at prompt_len + j - 1."""
+    rows, cols, topk_rows, topk_probs = [], [], [], []
+    for row, record in enumerate(batch):
+        start, length = len(record["prompt_ids"]) - 1, len(record["new_ids"])
+        rows.append(torch.full((length,), row))
+        cols.append(torch.arange(start, start + length))
+        topk_rows.append(input_map[record["topk_ids"].long()])
+        topk_probs.append(record["topk_probs"].float())
+    return torch.cat(rows), torch.cat(cols), torch.cat(topk_rows), torch.cat(topk_probs)
+
+
+def feature_draft_loss(draft: FeatureDraftForCausalLM, batch: list[Record],
+                       input_map: torch.Tensor, unk_row: int, regression_weight: float = 1.0
+                       ) -> tuple[torch.Tensor, float, float]:
+    """(loss, its cross-entropy part, its regression part)."""
+    ids, before, at, mask = _inputs(batch, input_map, unk_row, draft.target_hidden_size)
+    out = draft.model(inputs_embeds=draft.feature_fc(
+        torch.cat([draft.model.embed_tokens(ids), before], dim=-1)), attention_mask=mask)
+    hidden = out.last_hidden_state
+    weights = mask.unsqueeze(-1).float()
+    regression = (torch.nn.functional.smooth_l1_loss(hidden, at, reduction="none")
+                  * weights).sum() / weights.sum() / hidden.shape[-1]
+    rows, cols, topk_rows, topk_probs = _distribution_targets(batch, input_map)
+    logits = draft.lm_head(hidden[rows, cols])[:, :unk_row]  # the UNK row is never proposed
+    log_q = torch.log_softmax(logits, dim=-1)
+    probs = topk_probs * (topk_rows != unk_row)  # mass outside the map is lost
+    cross_entropy = -(probs * log_q.gather(1, topk_rows.clamp_max(unk_row - 1))).sum(1).mean()
+    loss = cross_entropy + regression_weight * regression
+    return loss, float(cross_entropy.detach()), float(regression.detach())
+
+
+def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_dir: Path,
+                        out_dir: Path, *, vocab_size: int = 8192, num_layers: int = 1,
+                        epochs: float = 3.0, batch_size: int = 16, lr: float = 1e-3,
+                        checkpoint_every_s: float = 300.0,
+                        eos_ids: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+    started = time.monotonic()
+    records = load_with_hidden(data_dir, hidden_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = work_dir / "feature-checkpoint.pt"
+    map_path = work_dir / "token_map.json"  # shared with the standalone draft
+    if map_path.exists():
+        token_map = json.loads(map_path.read_text())["target_ids"]
+    else:
+        token_map = build_token_map(records, vocab_size, list(eos_ids))
+        map_path.write_text(json.dumps({"target_ids": token_map}))
+    unk_row = len(token_map)
+    input_map = torch.full((max(49152, max(token_map) + 1),), unk_row)
+    input_map[torch.tensor(token_map)] = torch.arange(unk_row)
+    draft = make_feature_draft(target_dir, token_map, num_layers)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(records) / batch_size)
+    total_steps = int(steps_per_epoch * epochs)
+    step = 0
+    if checkpoint.exists():
+        state = torch.load(checkpoint)
+        draft.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    resumed_from_step = step
+    rng = random.Random(0)
+    order = sorted(records, key=lambda r: len(r["prompt_ids"]) + len(r["new_ids"]))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    schedule: list[list[Record]] = []
+    for _ in range(math.ceil(epochs) + 1):
+        rng.shuffle(batches)
+        schedule.extend(batches)
+    draft.train()
+    last_save = time.monotonic()
+    recent: list[tuple[float, float]] = []
+    columns = (TextColumn("training feature draft"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(),
+               TextColumn("ce {task.fields[ce]:.3f} reg {task.fields[reg]:.3f}"))
+    with Progress(*columns) as bar:
+        task = bar.add_task("steps", total=total_steps, completed=step, ce=float("nan"),
+                            reg=float("nan"))
+        while step < total_steps:
+            warmup = min(1.0, (step + 1) / 50)
+            decay = 0.5 * (1 + math.cos(math.pi * step / total_steps))
+            for group in optimizer.param_groups:
+                group["lr"] = lr * warmup * (0.1 + 0.9 * decay)
+            loss, cross_entropy, regression = feature_draft_loss(draft, schedule[step],
+                                                                 input_map, unk_row)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            step += 1
+            recent = (recent + [(cross_entropy, regression)])[-50:]
+            mean_ce = sum(c for c, _ in recent) / len(recent)
+            mean_reg = sum(r for _, r in recent) / len(recent)
+            bar.update(task, completed=step, ce=mean_ce, reg=mean_reg)
+            if time.monotonic() - last_save > checkpoint_every_s or step == total_steps:
+                tmp = checkpoint.with_suffix(".tmp")
+                torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                            "step": step}, tmp)
+                tmp.rename(checkpoint)
+                last_save = time.monotonic()
+                print(f"step {step}/{total_steps} ce {mean_ce:.4f} reg {mean_reg:.4f}", flush=True)
+    draft.eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    draft.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    shards = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir)
+                     if (hidden_dir / path.name).exists())
+    summary = {"sequences": len(records), "tokens": sum(len(r["new_ids"]) for r in records),
+               "steps": total_steps, "shards": dict(sorted(shards.items())),
+               "final_cross_entropy": sum(c for c, _ in recent) / max(1, len(recent)),
+               "final_regression": sum(r for _, r in recent) / max(1, len(recent)),
+               "train_s": time.monotonic() - started, "resumed_from_step": resumed_from_step,
+               "parameters": sum(p.numel() for p in draft.parameters()),
+               "trained_parameters": sum(p.numel() for p in trainable)}
+    (work_dir / "feature_train_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
