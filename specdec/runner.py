@@ -69,6 +69,13 @@ class ModelRunner:
         self.target_hidden_size = int(getattr(model.config, TARGET_HIDDEN_SIZE_KEY, 0)
                                       if self.needs_target_hidden else 0)
 
+    def placeholder_hidden(self, num_tokens: int) -> torch.Tensor | None:
+        """Zero target states for a feature draft's timing and warm-up calls (None for
+        other models): the cost of a forward does not depend on their values."""
+        if not self.needs_target_hidden:
+            return None
+        return torch.zeros(num_tokens, self.target_hidden_size)
+
     # -- session bookkeeping -------------------------------------------------------------
     @property
     def active_sessions(self) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from service_harness import Services
-from tiny_models import tiny_llama
+from tiny_models import tiny_feature_draft, tiny_llama
 
 from specdec.bench.configs import build_configs
 from specdec.bench.costs import (
@@ -189,3 +189,30 @@ def test_same_shape_bound_uses_the_services_own_forward_times() -> None:
     assert stats["bound_same_shape"] == pytest.approx(2.5 * 0.030 / 0.040)
     assert stats["bound_same_shape_ratio"] == pytest.approx(2.0 / (2.5 * 0.75))
     assert "bound_same_shape" not in same_shape_stats(base, base)  # nothing drafted
+
+
+def test_feature_draft_run_uses_a_token_only_assistant_for_transformers(tmp_path: Path) -> None:
+    """specdec runs the feature draft (in process and over gRPC, exact), transformers'
+    assisted generation the token-only assistant, and the report says so."""
+    torch.set_num_threads(1)
+    target = tiny_llama(64, seed=1)
+    feature_draft = tiny_feature_draft(64, 32, seed=4)
+    assistant = tiny_llama(64, seed=2, layers=1)
+    models = BenchModels(target, feature_draft, None, None, (), assistant=assistant)
+    settings = BenchSettings(
+        assistant_model="tiny-assistant", modes=("greedy",), lengths=("1", "adaptive"),
+        systems=("target-only", "hf-assisted", "specdec-local", "specdec-grpc"),
+        per_category=1, repeats=1, max_new_tokens=10, max_length=4, calibration_repeats=1,
+        warmup_tokens=8, progress=False)
+    prompts = [p for p in load_prompts() if p.id.endswith("01")]
+    result = run_bench(settings, models, lambda: Services(feature_draft, target), prompts)
+    paths = write_outputs(result, tmp_path / "out", "specdec bench --tiny")
+    data = json.loads(paths["json"].read_text())
+    greedy = data["summary"]["greedy"]
+    for name in ("specdec-local k=1", "specdec-local k=adaptive", "specdec-grpc k=1",
+                 "specdec-grpc k=adaptive"):
+        assert greedy[name]["all"]["greedy_match"] == 1.0
+        assert greedy[name]["all"]["acceptance_rate"] >= 0
+    assert greedy["hf-assisted"]["all"]["greedy_match"] == 1.0
+    assert data["meta"]["assistant_model"] == "tiny-assistant"
+    assert "assisted generation runs `tiny-assistant`" in paths["markdown"].read_text()

@@ -152,13 +152,15 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
 def _measure_extend(runner: ModelRunner, context: list[int], new_tokens: list[int],
                     repeats: int) -> list[float]:
     session = f"cost-{len(new_tokens)}-{time.monotonic_ns()}"
-    runner.extend(session, 0, 0, context, num_logits=1)
+    runner.extend(session, 0, 0, context, num_logits=1,
+                  target_hidden=runner.placeholder_hidden(len(context)))
     fingerprint = runner._sessions[session].history.fingerprint(len(context))
+    hidden = runner.placeholder_hidden(len(new_tokens))
 
     def call() -> float:
         started = time.perf_counter()
         runner.extend(session, len(context), fingerprint, new_tokens,
-                      num_logits=len(new_tokens))
+                      num_logits=len(new_tokens), target_hidden=hidden)
         return time.perf_counter() - started
 
     try:

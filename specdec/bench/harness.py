@@ -37,6 +37,7 @@ from specdec.bench.configs import (
 )
 from specdec.bench.costs import CostCurve, measure_costs
 from specdec.bench.prompts import BenchPrompt, chat_encoder, load_prompts, select
+from specdec.feature_draft import is_feature_draft
 from specdec.kernels import resolve_kernel
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.models import DEFAULT_DRAFT, parse_dtype
@@ -49,6 +50,10 @@ WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
 class BenchSettings:
     target_model: str = "smollm2-135m-instruct"
     draft_model: str = "specdec-draft"
+    # transformers' assisted generation cannot run a feature draft (it reads the target's
+    # hidden states): hf-assisted then uses this token-only draft ("" = the draft model,
+    # or specdec-draft when that is a feature draft).
+    assistant_model: str = ""
     dtype: str = "float32"
     torch_threads: int = 0
     linear_kernel: str = "auto"
@@ -83,6 +88,10 @@ class BenchModels:
     tokenizer: Any | None
     eos: tuple[int, ...]
     draft_source: str = ""  # a directory FullVocabDraft can load (reduced-vocab drafts)
+    # hf-assisted's draft when it is not `draft` (see BenchSettings.assistant_model)
+    assistant: Any | None = None
+    assistant_token_map: torch.Tensor | None = None
+    assistant_source: str = ""
 
 
 class GrpcEndpoint(Protocol):
@@ -124,8 +133,23 @@ def load_models(settings: BenchSettings) -> BenchModels:
                            linear_kernel=settings.linear_kernel,
                            attention_kernel=settings.attention_kernel)
     eos = model_info(settings.target_model).eos_token_ids
-    return BenchModels(target.model, draft.model, draft.token_map, target.tokenizer, eos,
-                       str(resolve(settings.draft_model)))
+    models = BenchModels(target.model, draft.model, draft.token_map, target.tokenizer, eos,
+                         str(resolve(settings.draft_model)))
+    assistant_name = assistant_model(settings, draft.model)
+    if assistant_name != settings.draft_model:
+        assistant = load_causal_lm(assistant_name, cpu, dtype, progress=settings.progress,
+                                   linear_kernel=settings.linear_kernel,
+                                   attention_kernel=settings.attention_kernel)
+        models.assistant, models.assistant_token_map = assistant.model, assistant.token_map
+        models.assistant_source = str(resolve(assistant_name))
+    return models
+
+
+def assistant_model(settings: BenchSettings, draft: Any) -> str:
+    """The draft transformers' assisted generation runs (see BenchSettings)."""
+    if settings.assistant_model:
+        return settings.assistant_model
+    return DEFAULT_DRAFT if is_feature_draft(draft) else settings.draft_model
 
 
 class ProcessStack:
@@ -177,10 +201,18 @@ class Bench:
         self.hf_draft: Any | None = None
         if any(c.system == HF_ASSISTED for c in self.all_configs):
             dtype = next(models.draft.parameters()).dtype
-            self.hf_draft = baselines.hf_draft(models.draft, models.token_map, vocab,
-                                               models.draft_source, dtype,
-                                               settings.linear_kernel,
-                                               settings.attention_kernel)
+            if models.assistant is not None:
+                self.hf_draft = baselines.hf_draft(
+                    models.assistant, models.assistant_token_map, vocab, models.assistant_source,
+                    dtype, settings.linear_kernel, settings.attention_kernel)
+            elif is_feature_draft(models.draft):
+                raise ValueError("transformers' assisted generation cannot run a feature draft; "
+                                 "set --assistant-model to a token-only draft")
+            else:
+                self.hf_draft = baselines.hf_draft(models.draft, models.token_map, vocab,
+                                                   models.draft_source, dtype,
+                                                   settings.linear_kernel,
+                                                   settings.attention_kernel)
         self.grpc = grpc
         self.encode = chat_encoder(models.tokenizer)
 
@@ -314,6 +346,7 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
                 grpc.close()
     meta = {"machine": machine_info(), "machine_at_start": start_machine,
             "draft_trained": draft_trained, "prompts": len(prompts),
+            "assistant_model": assistant_model(settings, models.draft),
             "configs": [c.name for c in bench.all_configs], "wall_s": time.perf_counter() - started}
     return BenchResult(settings, costs, records, dtype_costs, meta)
 

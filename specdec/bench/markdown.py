@@ -173,7 +173,11 @@ def render(result: dict[str, Any], summary: dict[str, Any], command: str = "") -
            f"- pair: target `{settings['target_model']}`, draft `{settings['draft_model']}`, "
            f"dtype {settings['dtype']}"
            + (" (the trained draft was absent: a stand-in, the target's first 2 layers)"
-              if meta.get("draft_trained") is False else ""),
+              if meta.get("draft_trained") is False else "")
+           + (f"; transformers' assisted generation runs `{meta['assistant_model']}` (it "
+              "cannot run a draft that reads the target's hidden states)"
+              if meta.get("assistant_model", settings["draft_model"]) != settings["draft_model"]
+              else ""),
            f"- {meta['prompts']} prompts x {settings['repeats']} repeats, "
            f"max_new_tokens {settings['max_new_tokens']}, modes {', '.join(settings['modes'])}; "
            f"wall {meta['wall_s'] / 60:.1f} min", "",

@@ -27,6 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="benchmark target-only, transformers and specdec side by side")
     add_setting(parser, "--target-model", "smollm2-135m-instruct", "target model")
     add_setting(parser, "--draft-model", "specdec-draft", "draft model")
+    add_setting(parser, "--assistant-model", "",
+                "token-only draft for transformers' assisted generation (default: the draft "
+                "model, or specdec-draft when the draft model is a feature draft)")
     add_setting(parser, "--dtype", "float32", "dtype of every system: float32, bfloat16")
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
@@ -83,7 +86,8 @@ def settings_from_args(args: argparse.Namespace) -> object:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     return BenchSettings(
-        target_model=args.target_model, draft_model=args.draft_model, dtype=args.dtype,
+        target_model=args.target_model, draft_model=args.draft_model,
+        assistant_model=args.assistant_model, dtype=args.dtype,
         torch_threads=args.torch_threads, linear_kernel=args.linear_kernel,
         attention_kernel=args.attention_kernel,
         grpc_torch_threads=args.grpc_torch_threads, modes=modes,

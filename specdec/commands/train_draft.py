@@ -23,9 +23,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train-draft", help="build the default draft (resumable)")
     parser.add_argument("stages", nargs="*", default=list(STAGES), choices=STAGES,
                         help="stages to run (default: all, in order)")
+    add_data_settings(parser, ASSET_DIR)
+    add_setting(parser, "--draft-layers", 2, "transformer layers in the draft", type=int)
+    add_setting(parser, "--draft-vocab", 8192, "reduced vocabulary of the draft head", type=int)
+    add_setting(parser, "--epochs", 3.0, "passes over the data", type=float)
+    add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
+    parser.set_defaults(func=run)
+
+
+def add_data_settings(parser: argparse.ArgumentParser, out_dir: Path) -> None:
+    """Where the pipeline works and writes, and the distillation data both drafts share."""
     add_setting(parser, "--work-dir", str(models.model_cache_dir().parent / "draft-work"),
                 "data shards, checkpoints and reports (not committed)")
-    add_setting(parser, "--out-dir", str(ASSET_DIR), "where the final draft is written")
+    add_setting(parser, "--out-dir", str(out_dir), "where the final draft is written")
     # Both prompt sets' shards took about 110 min on 2 cores (~40 s a shard).
     add_setting(parser, "--data-budget-s", 9000.0, "stop generating data after this long",
                 type=float)
@@ -34,26 +44,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--wide-shards", 80,
                 "data shards from the wider prompt set (draft_training/wide_prompts.py)", type=int)
     add_setting(parser, "--batch-size", 48, "prompts per data shard", type=int)
-    add_setting(parser, "--draft-layers", 2, "transformer layers in the draft", type=int)
-    add_setting(parser, "--draft-vocab", 8192, "reduced vocabulary of the draft head", type=int)
-    add_setting(parser, "--epochs", 3.0, "passes over the data", type=float)
-    add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
-    parser.set_defaults(func=run)
+
+
+def generate_data(args: argparse.Namespace, target_dir: str, work_dir: Path) -> None:
+    from specdec.draft_training.datagen import generate_shards
+
+    started = time.monotonic()  # one budget for both prompt sets
+    for prompt_set, max_shards in (("templated", args.max_shards), ("wide", args.wide_shards)):
+        remaining_s = args.data_budget_s - (time.monotonic() - started)
+        generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
+                        max_shards=max_shards, time_budget_s=remaining_s, prompt_set=prompt_set)
 
 
 def run(args: argparse.Namespace) -> int:
     work_dir, out_dir = Path(args.work_dir), Path(args.out_dir)
     target_dir = str(models.prepare_smollm2())
     if "data" in args.stages:
-        from specdec.draft_training.datagen import generate_shards
-
-        started = time.monotonic()  # one budget for both prompt sets
-        for prompt_set, max_shards in (("templated", args.max_shards),
-                                       ("wide", args.wide_shards)):
-            remaining_s = args.data_budget_s - (time.monotonic() - started)
-            generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
-                            max_shards=max_shards, time_budget_s=remaining_s,
-                            prompt_set=prompt_set)
+        generate_data(args, target_dir, work_dir)
     if "train" in args.stages:
         from specdec.draft_training.train import train
 
@@ -62,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                         epochs=args.epochs)
         print(json.dumps(summary, indent=2))
     if "eval" in args.stages:
-        report = _evaluate(target_dir, out_dir, args.eval_prompts)
+        report = evaluate_draft(target_dir, out_dir, args.eval_prompts)
         (work_dir / "eval_report.json").write_text(json.dumps(report, indent=2))
         print(json.dumps(report, indent=2))
     if "card" in args.stages:
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate(target_dir: str, draft_dir: Path, num_prompts: int) -> dict:
+def evaluate_draft(target_dir: str, draft_dir: Path, num_prompts: int) -> dict:
     import torch
 
     from specdec.draft_training.evaluate import evaluate

@@ -106,13 +106,15 @@ def measure_acceptance(draft_runner: ModelRunner, target_runner: ModelRunner,
 
 def _median_forward_ms(runner: ModelRunner, context: list[int], new_tokens: int,
                        repeats: int) -> float:
-    runner.extend("cost", 0, 0, context)
+    runner.extend("cost", 0, 0, context, target_hidden=runner.placeholder_hidden(len(context)))
     fingerprint = TokenHistory(context).fingerprint()
     block = context[:new_tokens]
+    hidden = runner.placeholder_hidden(new_tokens)
     times = []
     for _ in range(repeats + 2):
         started = time.perf_counter()
-        runner.extend("cost", len(context), fingerprint, block, num_logits=new_tokens)
+        runner.extend("cost", len(context), fingerprint, block, num_logits=new_tokens,
+                      target_hidden=hidden)
         times.append((time.perf_counter() - started) * 1000)
     runner.release("cost")
     return statistics.median(times[2:])

@@ -1,0 +1,65 @@
+"""`specdec train-feature-draft`: the resumable pipeline behind specdec-feature-draft.
+
+Stages: data (the same distillation shards as `train-draft`, shared in --work-dir), hidden
+(the target's final hidden states for every shard), train (checkpointed), eval
+(held-out acceptance and costs), card. Each stage resumes from what the last run left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specdec import models
+from specdec.commands.train_draft import add_data_settings, evaluate_draft, generate_data
+from specdec.config import add_setting
+
+STAGES = ("data", "hidden", "train", "eval", "card")
+ASSET_DIR = Path(models.__file__).parent / "assets" / "feature-draft"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train-feature-draft",
+        help="build the draft that reads the target's hidden states (resumable)")
+    parser.add_argument("stages", nargs="*", default=list(STAGES), choices=STAGES,
+                        help="stages to run (default: all, in order)")
+    add_data_settings(parser, ASSET_DIR)
+    # ~25 s a shard on 2 cores (a prefill of each continuation).
+    add_setting(parser, "--hidden-budget-s", 6000.0,
+                "stop extracting hidden states after this long (train on the shards done)",
+                type=float)
+    add_setting(parser, "--draft-layers", 1, "transformer layers in the draft", type=int)
+    add_setting(parser, "--draft-vocab", 8192, "reduced vocabulary of the draft head", type=int)
+    add_setting(parser, "--epochs", 3.0, "passes over the data", type=float)
+    add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.draft_training import feature_train
+
+    work_dir, out_dir = Path(args.work_dir), Path(args.out_dir)
+    hidden_dir = work_dir / "hidden"
+    target_dir = str(models.prepare_smollm2())
+    if "data" in args.stages:
+        generate_data(args, target_dir, work_dir)
+    if "hidden" in args.stages:
+        feature_train.extract_hidden_states(target_dir, work_dir / "data", hidden_dir,
+                                            time_budget_s=args.hidden_budget_s)
+    if "train" in args.stages:
+        summary = feature_train.train_feature_draft(
+            target_dir, work_dir / "data", hidden_dir, work_dir, out_dir,
+            vocab_size=args.draft_vocab, num_layers=args.draft_layers, epochs=args.epochs)
+        print(json.dumps(summary, indent=2))
+    if "eval" in args.stages:
+        report = evaluate_draft(target_dir, out_dir, args.eval_prompts)
+        (work_dir / "feature_eval_report.json").write_text(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2))
+    if "card" in args.stages:
+        from specdec.draft_training.card import write_feature_model_card
+
+        write_feature_model_card(out_dir, work_dir)
+        print(f"model card: {out_dir / 'README.md'}")
+    return 0
