@@ -236,7 +236,7 @@ def test_training_objective_learns_on_the_target_states() -> None:
     draft.model.embed_tokens.weight.requires_grad_(False)
     frozen = draft.model.embed_tokens.weight.clone()
     records = []
-    for row in range(6):
+    for _ in range(6):
         sequence = torch.randint(3, VOCAB, (14,))
         states = _target_states(target, sequence.tolist())
         with torch.no_grad():
