@@ -193,7 +193,8 @@ def test_same_shape_bound_uses_the_services_own_forward_times() -> None:
 
 def test_feature_draft_run_uses_a_token_only_assistant_for_transformers(tmp_path: Path) -> None:
     """specdec runs the feature draft (in process and over gRPC, exact), transformers'
-    assisted generation the token-only assistant, and the report says so."""
+    assisted generation and specdec-local-token-draft the token-only assistant, and the
+    report says so."""
     torch.set_num_threads(1)
     target = tiny_llama(64, seed=1)
     feature_draft = tiny_feature_draft(64, 32, seed=4)
@@ -201,7 +202,8 @@ def test_feature_draft_run_uses_a_token_only_assistant_for_transformers(tmp_path
     models = BenchModels(target, feature_draft, None, None, (), assistant=assistant)
     settings = BenchSettings(
         assistant_model="tiny-assistant", modes=("greedy",), lengths=("1", "adaptive"),
-        systems=("target-only", "hf-assisted", "specdec-local", "specdec-grpc"),
+        systems=("target-only", "hf-assisted", "specdec-local", "specdec-grpc",
+                 "specdec-local-token-draft"),
         per_category=1, repeats=1, max_new_tokens=10, max_length=4, calibration_repeats=1,
         warmup_tokens=8, progress=False)
     prompts = [p for p in load_prompts() if p.id.endswith("01")]
@@ -214,5 +216,10 @@ def test_feature_draft_run_uses_a_token_only_assistant_for_transformers(tmp_path
         assert greedy[name]["all"]["greedy_match"] == 1.0
         assert greedy[name]["all"]["acceptance_rate"] >= 0
     assert greedy["hf-assisted"]["all"]["greedy_match"] == 1.0
+    # The token-only draft in specdec's own loop, same run: exact, drafting, no bound (the
+    # cost curves describe the feature draft).
+    token_draft = greedy["specdec-local-token-draft k=1"]["all"]
+    assert token_draft["greedy_match"] == 1.0 and "bound" not in token_draft
+    assert token_draft["acceptance_rate"] != greedy["specdec-local k=1"]["all"]["acceptance_rate"]
     assert data["meta"]["assistant_model"] == "tiny-assistant"
     assert "assisted generation runs `tiny-assistant`" in paths["markdown"].read_text()

@@ -13,7 +13,12 @@ HF_ASSISTED = "hf-assisted"
 LOCAL = "specdec-local"
 GRPC = "specdec-grpc"
 SYSTEMS = (TARGET_ONLY, HF_GENERATE, HF_ASSISTED, LOCAL, GRPC)
-SPECULATIVE = (LOCAL, GRPC)
+# specdec in-process with the token-only draft hf-assisted runs, beside a feature draft
+# (--systems ...,specdec-local-token-draft): the two drafts compared in one run.
+LOCAL_TOKEN_DRAFT = "specdec-local-token-draft"
+KNOWN_SYSTEMS = (*SYSTEMS, LOCAL_TOKEN_DRAFT)
+SPECULATIVE = (LOCAL, GRPC)  # the systems whose bound the cost curves describe
+DRAFTED = (*SPECULATIVE, LOCAL_TOKEN_DRAFT)
 # Target-only through the same three services: the same-shape baseline of the gRPC runs.
 GRPC_TARGET_ONLY = f"{GRPC} k=0"
 LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident")
@@ -76,8 +81,8 @@ def _is_fraction(text: str) -> bool:
 
 def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[BenchConfig]:
     for system in systems:
-        if system not in SYSTEMS:
-            raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        if system not in KNOWN_SYSTEMS:
+            raise ValueError(f"unknown system {system!r}; choose from {', '.join(KNOWN_SYSTEMS)}")
     for length in lengths:
         policy, at, gate = length.partition("@")
         if at and (policy not in GATED or not _is_fraction(gate)):
@@ -90,7 +95,7 @@ def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[Be
     for system in systems:
         if system == GRPC:
             configs.append(BenchConfig(GRPC, "0"))
-        if system in SPECULATIVE:
+        if system in DRAFTED:
             configs += [BenchConfig(system, length) for length in lengths
                         if not (system == GRPC and length.startswith("heuristic"))]
         else:

@@ -29,6 +29,7 @@ from specdec.bench.configs import (
     HF_ASSISTED,
     HF_GENERATE,
     LENGTHS,
+    LOCAL_TOKEN_DRAFT,
     MODES,
     SYSTEMS,
     BenchConfig,
@@ -198,6 +199,14 @@ class Bench:
         self.drafter = LocalDrafter(self.draft_runner)
         self.verifier = LocalVerifier(self.target_runner)
         self.local_costs = CostModel()  # like the coordinator's: shared by every session
+        self.token_drafter: LocalDrafter | None = None
+        if any(c.system == LOCAL_TOKEN_DRAFT for c in self.all_configs):
+            if models.assistant is None:
+                raise ValueError(f"{LOCAL_TOKEN_DRAFT} needs a token-only draft beside a "
+                                 "feature draft (--assistant-model)")
+            self.token_drafter = LocalDrafter(ModelRunner(
+                models.assistant, target_vocab_size=vocab, token_map=models.assistant_token_map))
+            self.token_costs = CostModel()
         self.hf_draft: Any | None = None
         if any(c.system == HF_ASSISTED for c in self.all_configs):
             dtype = next(models.draft.parameters()).dtype
@@ -226,6 +235,11 @@ class Bench:
             assert self.grpc is not None
             return systems.run_grpc(config, mode, self.grpc.stub, prompt_ids,
                                     max_new_tokens, seed, max_length=self.settings.max_length)
+        if config.system == LOCAL_TOKEN_DRAFT:
+            assert self.token_drafter is not None
+            return systems.run_local(config, mode, self.token_drafter, self.verifier,
+                                     prompt_ids, max_new_tokens, self.models.eos, seed,
+                                     self.token_costs, self.settings.max_length)
         return systems.run_local(config, mode, self.drafter, self.verifier, prompt_ids,
                                  max_new_tokens, self.models.eos, seed, self.local_costs,
                                  self.settings.max_length)

@@ -45,7 +45,8 @@ def _quartiles(values: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
-def group_stats(rows: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
+def group_stats(rows: list[RunRecord], curve: CostCurve,
+                with_bound: bool = True) -> dict[str, Any]:
     by_repeat: dict[int, list[RunRecord]] = defaultdict(list)
     for row in rows:
         by_repeat[row.repeat].append(row)
@@ -71,7 +72,7 @@ def group_stats(rows: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,
         "alpha": alpha_from_tokens_per_round(tokens_per_round, k) if drafted else None,
     })
-    if drafted:
+    if drafted and with_bound:  # only for runs of the draft whose costs the curve holds
         modelled_s = k * curve.draft_s + curve.t_target(k + 1)
         out["bound"] = tokens_per_round * curve.t_target(1) / modelled_s
     if any(r.verify_s for r in rows):
@@ -113,8 +114,11 @@ def _greedy_match(rows: list[RunRecord],
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
-def summarise(records: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
-    """{mode: {config: {category: stats}}} plus speedups, bound ratios and greedy match."""
+def summarise(records: list[RunRecord], curve: CostCurve,
+              other_draft_systems: tuple[str, ...] = ()) -> dict[str, Any]:
+    """{mode: {config: {category: stats}}} plus speedups, bound ratios and greedy match.
+
+    other_draft_systems run another draft than the one `curve` measured: no bound."""
     grouped: dict[str, dict[str, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
     for record in records:
         grouped[record.mode][record.config].append(record)
@@ -131,7 +135,8 @@ def summarise(records: list[RunRecord], curve: CostCurve) -> dict[str, Any]:
                 subset = [r for r in rows if category == ALL or r.category == category]
                 if not subset:
                     continue
-                stats = group_stats(subset, curve)
+                stats = group_stats(subset, curve,
+                                    with_bound=rows[0].system not in other_draft_systems)
                 base = [r for r in baseline_rows if category == ALL or r.category == category]
                 if base:
                     base_stats = group_stats(base, curve)

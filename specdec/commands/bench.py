@@ -21,7 +21,7 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from specdec.bench.configs import LENGTHS, MODES, SYSTEMS
+    from specdec.bench.configs import LENGTHS, LOCAL_TOKEN_DRAFT, MODES, SYSTEMS
 
     parser = subparsers.add_parser(
         "bench", help="benchmark target-only, transformers and specdec side by side")
@@ -42,7 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(under 3 minutes on 2 cores); explicit flags still win")
     parser.add_argument("--modes", default=None,
                         help=f"sampling modes (default: {','.join(MODES)})")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"systems to run; also {LOCAL_TOKEN_DRAFT} (specdec in process "
+                        "with --assistant-model, beside a feature draft)")
     parser.add_argument("--lengths", default=None,
                         help=f"draft lengths (default: {','.join(LENGTHS)}; also 'heuristic'); "
                         "'confident' = the longest length ended by the confidence gate; "
@@ -105,6 +107,16 @@ def settings_from_args(args: argparse.Namespace) -> object:
         progress=not args.no_progress)
 
 
+def other_draft_systems(data: dict) -> tuple[str, ...]:
+    """Systems that ran another draft than the cost curves' (a feature draft's run)."""
+    from specdec.bench.configs import HF_ASSISTED, LOCAL_TOKEN_DRAFT
+
+    settings, meta = data["settings"], data["meta"]
+    if meta.get("assistant_model", settings["draft_model"]) == settings["draft_model"]:
+        return ()
+    return (HF_ASSISTED, LOCAL_TOKEN_DRAFT)
+
+
 def write_outputs(result: object, out_dir: Path, command: str) -> dict[str, Path]:
     from specdec.bench.markdown import render
     from specdec.bench.plots import write_plots
@@ -112,7 +124,8 @@ def write_outputs(result: object, out_dir: Path, command: str) -> dict[str, Path
 
     out_dir.mkdir(parents=True, exist_ok=True)
     data = result.to_dict()  # type: ignore[attr-defined]
-    summary = summarise(result.records, result.costs)  # type: ignore[attr-defined]
+    summary = summarise(result.records, result.costs,  # type: ignore[attr-defined]
+                        other_draft_systems(data))
     data["summary"] = summary
     data["command"] = command
     paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md"}
