@@ -25,6 +25,10 @@ from specdec.errors import InvalidRequest
 
 # config.json key that marks a feature draft and records the hidden size it reads.
 TARGET_HIDDEN_SIZE_KEY = "specdec_target_hidden_size"
+# A fixed factor on the target's states before the input layer: SmolLM2's final-norm
+# outputs are ~16x larger than its embeddings, and at that scale the first updates of a
+# zero-initialised input path swamp the embeddings.
+TARGET_HIDDEN_SCALE_KEY = "specdec_target_hidden_scale"
 
 
 class FeatureDraftForCausalLM(LlamaForCausalLM):
@@ -47,7 +51,9 @@ class FeatureDraftForCausalLM(LlamaForCausalLM):
         if input_ids is None or target_hidden is None:
             raise ValueError("a feature draft needs input_ids and the target's hidden states")
         embeds = self.model.embed_tokens(input_ids)
-        mixed = self.feature_fc(torch.cat([embeds, target_hidden.to(embeds.dtype)], dim=-1))
+        scale = float(getattr(self.config, TARGET_HIDDEN_SCALE_KEY, 1.0))
+        mixed = self.feature_fc(torch.cat([embeds, target_hidden.to(embeds.dtype) * scale],
+                                          dim=-1))
         return super().forward(inputs_embeds=mixed, logits_to_keep=logits_to_keep, **kwargs)
 
 

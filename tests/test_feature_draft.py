@@ -259,3 +259,22 @@ def test_training_objective_learns_on_the_target_states() -> None:
     assert float(loss.detach()) < 0.7 * float(first.detach())
     assert cross_entropy > 0 and regression > 0
     assert torch.equal(draft.model.embed_tokens.weight, frozen)
+
+
+def test_a_feature_draft_built_from_a_token_draft_starts_as_that_draft(tmp_path) -> None:
+    """fc = [identity | 0]: whatever the target's states, the logits are the token draft's,
+    so training starts from its acceptance and only adds what the states tell."""
+    from specdec.draft_training.feature_train import feature_draft_from_token_draft
+    from specdec.feature_draft import TARGET_HIDDEN_SCALE_KEY
+
+    token_draft = tiny_llama(VOCAB, seed=5, layers=2)
+    token_draft.save_pretrained(tmp_path / "token")
+    draft = feature_draft_from_token_draft(str(tmp_path / "token"), 48, target_hidden_rms=20.0)
+    ids = torch.tensor([PROMPT + [9, 4, 11]])
+    with torch.no_grad():
+        expected = token_draft(input_ids=ids).logits
+        got = draft(input_ids=ids, target_hidden=torch.randn(1, ids.shape[1], 48) * 20).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    embed_rms = float(token_draft.model.embed_tokens.weight.detach().pow(2).mean().sqrt())
+    assert getattr(draft.config, TARGET_HIDDEN_SCALE_KEY) == pytest.approx(embed_rms / 20.0)
+    assert not draft.model.embed_tokens.weight.requires_grad

@@ -24,7 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.draft_training.train import Record, build_token_map, shard_paths
-from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
+from specdec.feature_draft import (
+    TARGET_HIDDEN_SCALE_KEY,
+    TARGET_HIDDEN_SIZE_KEY,
+    FeatureDraftForCausalLM,
+)
 
 
 def extract_hidden_states(target_dir: str, data_dir: Path, hidden_dir: Path,
@@ -84,6 +88,31 @@ def load_with_hidden(data_dir: Path, hidden_dir: Path) -> list[Record]:
     if not records:
         raise FileNotFoundError(f"no hidden states in {hidden_dir}; run the hidden stage first")
     return records
+
+
+def feature_draft_from_token_draft(token_draft_dir: str, target_hidden_size: int,
+                                   target_hidden_rms: float = 1.0) -> FeatureDraftForCausalLM:
+    """The token-only draft with a zero-initialised path for the target's states: it
+    starts as exactly that draft (fc = [identity | 0]) and learns to use them. The states
+    are scaled to the embeddings' RMS (TARGET_HIDDEN_SCALE_KEY)."""
+    token_draft = LlamaForCausalLM.from_pretrained(token_draft_dir, dtype=torch.float32)
+    config = token_draft.config
+    setattr(config, TARGET_HIDDEN_SIZE_KEY, int(target_hidden_size))
+    embed_rms = float(token_draft.model.embed_tokens.weight.detach().pow(2).mean().sqrt())
+    setattr(config, TARGET_HIDDEN_SCALE_KEY, embed_rms / target_hidden_rms)
+    draft = FeatureDraftForCausalLM(config)
+    missing, unexpected = draft.load_state_dict(token_draft.state_dict(), strict=False)
+    if unexpected or any(not name.startswith("feature_fc.") for name in missing):
+        raise ValueError(f"{token_draft_dir} is not a Llama draft of this shape "
+                         f"(missing {missing}, unexpected {unexpected})")
+    hidden = config.hidden_size
+    with torch.no_grad():
+        draft.feature_fc.weight.zero_()
+        draft.feature_fc.weight[:, :hidden] = torch.eye(hidden)
+        draft.feature_fc.bias.zero_()
+    draft.tie_weights()
+    draft.model.embed_tokens.weight.requires_grad_(False)  # also the tied LM head
+    return draft
 
 
 def make_feature_draft(target_dir: str, token_map: list[int],
@@ -152,8 +181,9 @@ def feature_draft_loss(draft: FeatureDraftForCausalLM, batch: list[Record],
                        ) -> tuple[torch.Tensor, float, float]:
     """(loss, its cross-entropy part, its regression part)."""
     ids, before, at, mask = _inputs(batch, input_map, unk_row, draft.target_hidden_size)
+    scale = float(getattr(draft.config, TARGET_HIDDEN_SCALE_KEY, 1.0))
     out = draft.model(inputs_embeds=draft.feature_fc(
-        torch.cat([draft.model.embed_tokens(ids), before], dim=-1)), attention_mask=mask)
+        torch.cat([draft.model.embed_tokens(ids), before * scale], dim=-1)), attention_mask=mask)
     hidden = out.last_hidden_state
     weights = mask.unsqueeze(-1).float()
     regression = (torch.nn.functional.smooth_l1_loss(hidden, at, reduction="none")
@@ -169,7 +199,9 @@ def feature_draft_loss(draft: FeatureDraftForCausalLM, batch: list[Record],
 
 def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_dir: Path,
                         out_dir: Path, *, vocab_size: int = 8192, num_layers: int = 1,
+                        init_from: str | None = None,
                         epochs: float = 3.0, batch_size: int = 16, lr: float = 1e-3,
+                        regression_weight: float = 1.0,
                         checkpoint_every_s: float = 300.0,
                         eos_ids: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
     started = time.monotonic()
@@ -185,7 +217,15 @@ def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_
     unk_row = len(token_map)
     input_map = torch.full((max(49152, max(token_map) + 1),), unk_row)
     input_map[torch.tensor(token_map)] = torch.arange(unk_row)
-    draft = make_feature_draft(target_dir, token_map, num_layers)
+    if init_from is not None:
+        saved_map = json.loads((Path(init_from) / "token_map.json").read_text())["target_ids"]
+        if saved_map != token_map:
+            raise ValueError(f"{init_from} has another token map than {map_path}")
+        sample = torch.cat([r["hidden"].float() for r in records[:64]])
+        draft = feature_draft_from_token_draft(init_from, int(sample.shape[-1]),
+                                               float(sample.pow(2).mean().sqrt()))
+    else:
+        draft = make_feature_draft(target_dir, token_map, num_layers)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(records) / batch_size)
@@ -218,8 +258,8 @@ def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_
             decay = 0.5 * (1 + math.cos(math.pi * step / total_steps))
             for group in optimizer.param_groups:
                 group["lr"] = lr * warmup * (0.1 + 0.9 * decay)
-            loss, cross_entropy, regression = feature_draft_loss(draft, schedule[step],
-                                                                 input_map, unk_row)
+            loss, cross_entropy, regression = feature_draft_loss(
+                draft, schedule[step], input_map, unk_row, regression_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -248,6 +288,7 @@ def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_
                "final_regression": sum(r for _, r in recent) / max(1, len(recent)),
                "train_s": time.monotonic() - started, "resumed_from_step": resumed_from_step,
                "parameters": sum(p.numel() for p in draft.parameters()),
+               "init_from": init_from, "lr": lr, "regression_weight": regression_weight,
                "trained_parameters": sum(p.numel() for p in trainable)}
     (work_dir / "feature_train_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
