@@ -24,7 +24,6 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "Explain recursion to a beginner programmer.",
 ]
-DRAFT_DIR = Path(models.__file__).parent / "assets" / "draft"
 # Greedy acceptance rate (accepted / drafted) of the committed draft on these prompts,
 # 32 tokens, gamma 4, measured 0.181 (2026-11-30, draft trained on 477k tokens); a 2-layer
 # truncated copy of the target scores ~0.02 and a wrong token map ~0. The floor sits at
@@ -82,10 +81,14 @@ def test_greedy_equals_target_with_truncated_draft(target: models.LoadedModel,
         assert len(result.token_ids) == len(expected) or result.finish_reason == "eos"
 
 
-def test_committed_draft_is_exact_and_keeps_its_acceptance(target: models.LoadedModel) -> None:
-    if not (DRAFT_DIR / "model.safetensors").exists():
-        pytest.fail(f"the committed default draft is missing from {DRAFT_DIR}")
-    draft = models.load_causal_lm(models.DEFAULT_DRAFT, torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize("name", [models.DEFAULT_DRAFT, models.FEATURE_DRAFT])
+def test_committed_draft_is_exact_and_keeps_its_acceptance(target: models.LoadedModel,
+                                                           name: str) -> None:
+    """Both committed drafts; the feature draft reads the target's hidden states."""
+    directory = Path(models.resolve(name))
+    if not (directory / "model.safetensors").exists():
+        pytest.fail(f"the committed draft {name} is missing from {directory}")
+    draft = models.load_causal_lm(name, torch.device("cpu"), torch.float32)
     assert draft.token_map is not None
     runner = ModelRunner(draft.model, target_vocab_size=49152, token_map=draft.token_map)
     eos = target.model.config.eos_token_id

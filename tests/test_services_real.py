@@ -1,8 +1,9 @@
 """The services with the real SmolLM2-135M-Instruct target and a real draft.
 
-The draft is the committed trained one when present; otherwise the target's first two
-layers (saved into a temp dir), so the wire path is always exercised with the real
-vocabulary, tokenizer and chat template. The trained pair's own test skips without it.
+Every test runs with both committed drafts: the token-only one (or, when it is absent,
+the target's first two layers saved into a temp dir, so the wire path is always
+exercised with the real vocabulary, tokenizer and chat template; the trained pair's own
+test skips then) and the feature draft, which reads the target's hidden states.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def target() -> models.LoadedModel:
                                  progress=False)
 
 
-@pytest.fixture(scope="module")
-def draft(tmp_path_factory: pytest.TempPathFactory) -> models.LoadedModel:
-    source = models.DEFAULT_DRAFT
-    if not trained_draft_present():
+@pytest.fixture(scope="module", params=[models.DEFAULT_DRAFT, models.FEATURE_DRAFT])
+def draft(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> models.LoadedModel:
+    source = request.param
+    if source == models.DEFAULT_DRAFT and not trained_draft_present():
         source = str(truncated_copy(models.resolve(models.DEFAULT_TARGET, progress=False),
                                     tmp_path_factory.mktemp("draft") / "truncated", layers=2))
     return models.load_causal_lm(source, torch.device("cpu"), torch.float32, progress=False)

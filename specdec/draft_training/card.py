@@ -115,9 +115,8 @@ def write_feature_model_card(out_dir: Path, work_dir: Path) -> None:
         "(`token_map.json`, the same map as specdec-draft); q is 0 elsewhere, so speculative "
         "sampling stays exact.",
         f"- Parameters: {summary['parameters']:,}, of which {summary['trained_parameters']:,} "
-        "trained (the embeddings and the tied LM head are the target's, frozen).",
-        "- Initialisation: the target's embeddings (restricted to the map), last layer(s) and "
-        "final norm.",
+        "trained (the embeddings and the tied LM head stay frozen).",
+        *_feature_init_lines(summary),
         "",
         "## Training data and objective",
         f"- {summary['sequences']:,} continuations, {summary['tokens']:,} target tokens from "
@@ -128,15 +127,15 @@ def write_feature_model_card(out_dir: Path, work_dir: Path) -> None:
         "- Loss: cross-entropy to the target's top-16 distribution of the next token, plus "
         "smooth L1 between the draft's output state and the target's state at the same "
         "position (so that drafting a second token from its own state works).",
-        f"- {summary['steps']:,} optimiser steps of 16 sequences; the last training run took "
-        f"{summary['train_s'] / 60:.1f} min on 2 CPU cores"
+        f"- {summary['steps']:,} optimiser steps of 16 sequences (peak learning rate "
+        f"{summary.get('lr', 0):g}, regression weight {summary.get('regression_weight', 1):g}); "
+        f"the last training run took {summary['train_s'] / 60:.1f} min on 2 CPU cores"
         + (f" (resumed at step {summary['resumed_from_step']:,})"
            if summary.get("resumed_from_step") else "")
         + f"; final cross-entropy {summary['final_cross_entropy']:.3f}, regression "
         f"{summary['final_regression']:.3f}.",
         "",
         *_evaluation_lines(report),
-        "",
         "The first round of each request is target-only (the draft needs the target's states "
         "of the prompt); the evaluation's figures include it.",
         "",
@@ -147,6 +146,18 @@ def write_feature_model_card(out_dir: Path, work_dir: Path) -> None:
         "```",
     ]
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _feature_init_lines(summary: dict) -> list[str]:
+    if not summary.get("init_from"):
+        return ["- Initialisation: the target's embeddings (restricted to the map), last "
+                "layer(s) and final norm."]
+    return ["- Initialisation: specdec-draft (the token-only draft: its embeddings, layers "
+            "and final norm), with the input map set to [identity | 0], so training starts "
+            "from exactly that draft and learns what the target's states add. The states "
+            "enter scaled to the embeddings' RMS (`specdec_target_hidden_scale` in "
+            "config.json): at their own scale (row norm ~46 against ~2.8) the first updates "
+            "of the zero path swamped the embeddings."]
 
 
 def _shards_text(shards: dict[str, int | None]) -> str:
