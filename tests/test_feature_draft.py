@@ -189,21 +189,23 @@ def test_over_grpc_equals_the_in_process_loop(services, models, sampling) -> Non
     assert not response.stats.degraded
 
 
+def _assert_invalid(stub: draft_pb2_grpc.DraftStub, request: draft_pb2.ProposeRequest,
+                    needle: str) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Propose(request, timeout=5)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in error.value.details()
+
+
 def test_draft_service_describes_itself_and_checks_the_states(services) -> None:
     stub = draft_pb2_grpc.DraftStub(grpc.insecure_channel(services.draft_endpoint))
     assert stub.Describe(draft_pb2.DescribeRequest(), timeout=5).target_hidden_size == 32
     sync = common_pb2.SyncPoint(session_id="x", committed_position=0, append_tokens=[1, 2])
-    missing = draft_pb2.ProposeRequest(sync=sync, num_tokens=2)
-    with pytest.raises(grpc.RpcError) as error:
-        stub.Propose(missing, timeout=5)
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "target_hidden_states" in error.value.details()
-    wrong = draft_pb2.ProposeRequest(sync=sync, num_tokens=2,
-                                     target_hidden_states=wire.encode_hidden(torch.zeros(1, 32)))
-    with pytest.raises(grpc.RpcError) as error:
-        stub.Propose(wrong, timeout=5)
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "2 rows of 32" in error.value.details()
+    _assert_invalid(stub, draft_pb2.ProposeRequest(sync=sync, num_tokens=2),
+                    "target_hidden_states")
+    _assert_invalid(stub, draft_pb2.ProposeRequest(
+        sync=sync, num_tokens=2, target_hidden_states=wire.encode_hidden(torch.zeros(1, 32))),
+        "2 rows of 32")
     right = draft_pb2.ProposeRequest(sync=sync, num_tokens=2,
                                      target_hidden_states=wire.encode_hidden(torch.zeros(2, 32)))
     assert len(stub.Propose(right, timeout=5).tokens) == 2
@@ -216,11 +218,9 @@ def test_token_only_draft_refuses_states() -> None:
         stub = draft_pb2_grpc.DraftStub(grpc.insecure_channel(stack.draft_endpoint))
         assert stub.Describe(draft_pb2.DescribeRequest(), timeout=5).target_hidden_size == 0
         sync = common_pb2.SyncPoint(session_id="x", committed_position=0, append_tokens=[1])
-        request = draft_pb2.ProposeRequest(
-            sync=sync, num_tokens=1, target_hidden_states=wire.encode_hidden(torch.zeros(1, 32)))
-        with pytest.raises(grpc.RpcError) as error:
-            stub.Propose(request, timeout=5)
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        _assert_invalid(stub, draft_pb2.ProposeRequest(
+            sync=sync, num_tokens=1, target_hidden_states=wire.encode_hidden(torch.zeros(1, 32))),
+            "does not read them")
     finally:
         stack.close()
 

@@ -23,6 +23,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec.draft_training.optimise import optimise
 from specdec.draft_training.train import Record, build_token_map, shard_paths
 from specdec.feature_draft import (
     TARGET_HIDDEN_SCALE_KEY,
@@ -227,16 +228,8 @@ def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_
     else:
         draft = make_feature_draft(target_dir, token_map, num_layers)
     trainable = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(records) / batch_size)
     total_steps = int(steps_per_epoch * epochs)
-    step = 0
-    if checkpoint.exists():
-        state = torch.load(checkpoint)
-        draft.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-    resumed_from_step = step
     rng = random.Random(0)
     order = sorted(records, key=lambda r: len(r["prompt_ids"]) + len(r["new_ids"]))
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
@@ -244,39 +237,16 @@ def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_
     for _ in range(math.ceil(epochs) + 1):
         rng.shuffle(batches)
         schedule.extend(batches)
-    draft.train()
-    last_save = time.monotonic()
-    recent: list[tuple[float, float]] = []
-    columns = (TextColumn("training feature draft"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(),
-               TextColumn("ce {task.fields[ce]:.3f} reg {task.fields[reg]:.3f}"))
-    with Progress(*columns) as bar:
-        task = bar.add_task("steps", total=total_steps, completed=step, ce=float("nan"),
-                            reg=float("nan"))
-        while step < total_steps:
-            warmup = min(1.0, (step + 1) / 50)
-            decay = 0.5 * (1 + math.cos(math.pi * step / total_steps))
-            for group in optimizer.param_groups:
-                group["lr"] = lr * warmup * (0.1 + 0.9 * decay)
-            loss, cross_entropy, regression = feature_draft_loss(
-                draft, schedule[step], input_map, unk_row, regression_weight)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            optimizer.step()
-            step += 1
-            recent = (recent + [(cross_entropy, regression)])[-50:]
-            mean_ce = sum(c for c, _ in recent) / len(recent)
-            mean_reg = sum(r for _, r in recent) / len(recent)
-            bar.update(task, completed=step, ce=mean_ce, reg=mean_reg)
-            if time.monotonic() - last_save > checkpoint_every_s or step == total_steps:
-                tmp = checkpoint.with_suffix(".tmp")
-                torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                            "step": step}, tmp)
-                tmp.rename(checkpoint)
-                last_save = time.monotonic()
-                print(f"step {step}/{total_steps} ce {mean_ce:.4f} reg {mean_reg:.4f}", flush=True)
-    draft.eval()
+
+    def step_loss(batch: list[Record]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, cross_entropy, regression = feature_draft_loss(draft, batch, input_map, unk_row,
+                                                             regression_weight)
+        return loss, {"ce": cross_entropy, "reg": regression}
+
+    resumed_from_step, final = optimise(
+        draft, trainable, schedule, total_steps, lr, step_loss, checkpoint,
+        label="training feature draft", metrics=("ce", "reg"),
+        checkpoint_every_s=checkpoint_every_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
@@ -284,8 +254,7 @@ def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_
                      if (hidden_dir / path.name).exists())
     summary = {"sequences": len(records), "tokens": sum(len(r["new_ids"]) for r in records),
                "steps": total_steps, "shards": dict(sorted(shards.items())),
-               "final_cross_entropy": sum(c for c, _ in recent) / max(1, len(recent)),
-               "final_regression": sum(r for _, r in recent) / max(1, len(recent)),
+               "final_cross_entropy": final["ce"], "final_regression": final["reg"],
                "train_s": time.monotonic() - started, "resumed_from_step": resumed_from_step,
                "parameters": sum(p.numel() for p in draft.parameters()),
                "init_from": init_from, "lr": lr, "regression_weight": regression_weight,

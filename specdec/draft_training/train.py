@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.draft_training.optimise import optimise
 
 Record = dict[str, torch.Tensor]
 
@@ -128,46 +129,18 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     input_map = torch.full((49152 if max(token_map) < 49152 else max(token_map) + 1,), unk_row)
     input_map[torch.tensor(token_map)] = torch.arange(unk_row)
     draft = make_draft(target_dir, token_map, num_layers)
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(0)
     steps_per_epoch = math.ceil(len(records) / batch_size)
     total_steps = int(steps_per_epoch * epochs)
-    step = 0
-    if checkpoint.exists():
-        state = torch.load(checkpoint)
-        draft.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-    resumed_from_step = step
     schedule = [b for _ in range(math.ceil(epochs) + 1) for b in _batches(records, batch_size, rng)]
-    draft.train()
-    last_save = time.monotonic()
-    recent: list[float] = []
-    columns = (TextColumn("training draft"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("loss {task.fields[loss]:.3f}"))
-    with Progress(*columns) as bar:
-        task = bar.add_task("steps", total=total_steps, completed=step, loss=float("nan"))
-        while step < total_steps:
-            warmup = min(1.0, (step + 1) / 50)
-            decay = 0.5 * (1 + math.cos(math.pi * step / total_steps))
-            for group in optimizer.param_groups:
-                group["lr"] = lr * warmup * (0.1 + 0.9 * decay)
-            loss = _loss(draft, schedule[step], input_map, unk_row)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            recent = (recent + [float(loss.detach())])[-50:]
-            bar.update(task, completed=step, loss=sum(recent) / len(recent))
-            if time.monotonic() - last_save > checkpoint_every_s or step == total_steps:
-                tmp = checkpoint.with_suffix(".tmp")
-                torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                            "step": step}, tmp)
-                tmp.rename(checkpoint)
-                last_save = time.monotonic()
-                print(f"step {step}/{total_steps} loss {sum(recent) / len(recent):.4f}", flush=True)
-    draft.eval()
+
+    def step_loss(batch: list[Record]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = _loss(draft, batch, input_map, unk_row)
+        return loss, {"loss": float(loss.detach())}
+
+    resumed_from_step, final = optimise(
+        draft, list(draft.parameters()), schedule, total_steps, lr, step_loss, checkpoint,
+        label="training draft", metrics=("loss",), checkpoint_every_s=checkpoint_every_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
@@ -175,7 +148,7 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     shards = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir))
     summary = {"sequences": len(records), "tokens": tokens, "steps": total_steps,
                "shards": dict(sorted(shards.items())),
-               "final_loss": sum(recent) / max(1, len(recent)),
+               "final_loss": final["loss"],
                "train_s": time.monotonic() - started, "resumed_from_step": resumed_from_step,
                "parameters": sum(p.numel() for p in draft.parameters())}
     (work_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
