@@ -31,14 +31,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                 "stop extracting hidden states after this long (train on the shards done)",
                 type=float)
     add_setting(parser, "--init-from", models.DEFAULT_DRAFT,
-                "start from this token-only draft (same token map), with a zero path for the "
-                "target's states; '' = from the target's embeddings and last layers")
-    add_setting(parser, "--draft-layers", 1,
-                "transformer layers in the draft when not --init-from", type=int)
+                "the token-only draft to extend (its layers, embeddings and token map), "
+                "with a zero-initialised path for the target's states")
     add_setting(parser, "--lr", 2e-4, "peak learning rate", type=float)
     add_setting(parser, "--regression-weight", 0.1,
                 "weight of the state-regression loss beside the cross-entropy", type=float)
-    add_setting(parser, "--draft-vocab", 8192, "reduced vocabulary of the draft head", type=int)
     add_setting(parser, "--epochs", 3.0, "passes over the data", type=float)
     add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
     parser.set_defaults(func=run)
@@ -56,10 +53,8 @@ def run(args: argparse.Namespace) -> int:
         feature_train.extract_hidden_states(target_dir, work_dir / "data", hidden_dir,
                                             time_budget_s=args.hidden_budget_s)
     if "train" in args.stages:
-        init_from = str(models.resolve(args.init_from)) if args.init_from else None
         summary = feature_train.train_feature_draft(
-            target_dir, work_dir / "data", hidden_dir, work_dir, out_dir,
-            vocab_size=args.draft_vocab, num_layers=args.draft_layers, init_from=init_from,
+            work_dir / "data", hidden_dir, work_dir, out_dir, str(models.resolve(args.init_from)),
             epochs=args.epochs, lr=args.lr, regression_weight=args.regression_weight)
         print(json.dumps(summary, indent=2))
     if "eval" in args.stages:

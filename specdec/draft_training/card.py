@@ -149,9 +149,6 @@ def write_feature_model_card(out_dir: Path, work_dir: Path) -> None:
 
 
 def _feature_init_lines(summary: dict) -> list[str]:
-    if not summary.get("init_from"):
-        return ["- Initialisation: the target's embeddings (restricted to the map), last "
-                "layer(s) and final norm."]
     return ["- Initialisation: specdec-draft (the token-only draft: its embeddings, layers "
             "and final norm), with the input map set to [identity | 0], so training starts "
             "from exactly that draft and learns what the target's states add. The states "

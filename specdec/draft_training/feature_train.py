@@ -6,7 +6,8 @@ per shard, resumable); `train` fits the draft. Entry p of a sequence reads (x_p,
 and is trained to (a) give the target's top-k distribution of x_{p+1} (cross-entropy,
 continuation positions) and (b) reproduce h_p (smooth L1, all positions), so that at
 decode time its own output can stand in for the target's state at the positions it drafts.
-The embeddings and the LM head (the target's, restricted to the token map) stay frozen.
+The draft starts as a token-only draft (its embeddings and tied LM head stay frozen) with a
+zero-initialised path for the target's states.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from typing import Any
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from specdec.draft_training.optimise import optimise
-from specdec.draft_training.train import Record, build_token_map, shard_paths
+from specdec.draft_training.train import Record, shard_paths
 from specdec.feature_draft import (
     TARGET_HIDDEN_SCALE_KEY,
     TARGET_HIDDEN_SIZE_KEY,
@@ -116,34 +117,6 @@ def feature_draft_from_token_draft(token_draft_dir: str, target_hidden_size: int
     return draft
 
 
-def make_feature_draft(target_dir: str, token_map: list[int],
-                       num_layers: int) -> FeatureDraftForCausalLM:
-    """Embeddings, final norm and the last num_layers layers from the target."""
-    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    base = target.config
-    config = LlamaConfig(
-        vocab_size=len(token_map) + 1, hidden_size=base.hidden_size,
-        intermediate_size=base.intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=base.num_attention_heads,
-        num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
-        max_position_embeddings=base.max_position_embeddings, rms_norm_eps=base.rms_norm_eps,
-        rope_parameters=base.rope_parameters, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    setattr(config, TARGET_HIDDEN_SIZE_KEY, int(base.hidden_size))  # saved in config.json
-    draft = FeatureDraftForCausalLM(config)
-    with torch.no_grad():
-        embed = target.model.embed_tokens.weight
-        draft.model.embed_tokens.weight[: len(token_map)] = embed[torch.tensor(token_map)]
-        draft.model.embed_tokens.weight[len(token_map)] = embed.mean(0)  # UNK input row
-        for index in range(num_layers):
-            source = target.model.layers[len(target.model.layers) - num_layers + index]
-            draft.model.layers[index].load_state_dict(source.state_dict())
-        draft.model.norm.load_state_dict(target.model.norm.state_dict())
-    draft.tie_weights()
-    draft.model.embed_tokens.weight.requires_grad_(False)  # also the tied LM head
-    return draft
-
-
 def _inputs(batch: list[Record], input_map: torch.Tensor, unk_row: int, hidden_size: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [B, W], the target state before each id, the target state at each id, mask."""
@@ -198,35 +171,22 @@ def feature_draft_loss(draft: FeatureDraftForCausalLM, batch: list[Record],
     return loss, float(cross_entropy.detach()), float(regression.detach())
 
 
-def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_dir: Path,
-                        out_dir: Path, *, vocab_size: int = 8192, num_layers: int = 1,
-                        init_from: str | None = None,
-                        epochs: float = 3.0, batch_size: int = 16, lr: float = 1e-3,
-                        regression_weight: float = 1.0,
-                        checkpoint_every_s: float = 300.0,
-                        eos_ids: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+def train_feature_draft(data_dir: Path, hidden_dir: Path, work_dir: Path, out_dir: Path,
+                        init_from: str, *, epochs: float = 3.0, batch_size: int = 16,
+                        lr: float = 2e-4, regression_weight: float = 0.1,
+                        checkpoint_every_s: float = 300.0) -> dict[str, Any]:
+    """Extend the token-only draft in init_from (feature_draft_from_token_draft)."""
     started = time.monotonic()
     records = load_with_hidden(data_dir, hidden_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "feature-checkpoint.pt"
-    map_path = work_dir / "token_map.json"  # shared with the standalone draft
-    if map_path.exists():
-        token_map = json.loads(map_path.read_text())["target_ids"]
-    else:
-        token_map = build_token_map(records, vocab_size, list(eos_ids))
-        map_path.write_text(json.dumps({"target_ids": token_map}))
+    token_map = json.loads((Path(init_from) / "token_map.json").read_text())["target_ids"]
     unk_row = len(token_map)
     input_map = torch.full((max(49152, max(token_map) + 1),), unk_row)
     input_map[torch.tensor(token_map)] = torch.arange(unk_row)
-    if init_from is not None:
-        saved_map = json.loads((Path(init_from) / "token_map.json").read_text())["target_ids"]
-        if saved_map != token_map:
-            raise ValueError(f"{init_from} has another token map than {map_path}")
-        sample = torch.cat([r["hidden"].float() for r in records[:64]])
-        draft = feature_draft_from_token_draft(init_from, int(sample.shape[-1]),
-                                               float(sample.pow(2).mean().sqrt()))
-    else:
-        draft = make_feature_draft(target_dir, token_map, num_layers)
+    sample = torch.cat([r["hidden"].float() for r in records[:64]])
+    draft = feature_draft_from_token_draft(init_from, int(sample.shape[-1]),
+                                           float(sample.pow(2).mean().sqrt()))
     trainable = [p for p in draft.parameters() if p.requires_grad]
     steps_per_epoch = math.ceil(len(records) / batch_size)
     total_steps = int(steps_per_epoch * epochs)
