@@ -24,10 +24,11 @@ PROMPTS = [
     "Write a short poem about the sea.",
     "Explain recursion to a beginner programmer.",
 ]
-# Greedy acceptance rate (accepted / drafted) of the committed draft on these prompts,
-# 32 tokens, gamma 4, measured 0.181 (2026-11-30, draft trained on 477k tokens); a 2-layer
-# truncated copy of the target scores ~0.02 and a wrong token map ~0. The floor sits at
-# half the measured value, so only a broken draft, map or loader trips it.
+# Greedy acceptance rate (accepted / drafted) of the committed drafts on these prompts,
+# 32 tokens, gamma 4: 0.181 when first set (2026-11-30, draft trained on 477k tokens); now
+# 0.252 (specdec-draft) and 0.293 (specdec-feature-draft). A 2-layer truncated copy of the
+# target scores ~0.02 and a wrong token map ~0. The floor sits at half the first value,
+# so only a broken draft, map, loader or hidden-state path trips it.
 ACCEPTANCE_RATE_FLOOR = 0.09
 
 
