@@ -31,7 +31,13 @@ from specdec.errors import InvalidRequest, ServiceUnavailable
 from specdec.grpc_server import MESSAGE_OPTIONS
 from specdec.grpc_status import from_rpc_error
 from specdec.history import TokenHistory
-from specdec.interfaces import CacheMirror, DraftUnavailable, Proposal, Verification
+from specdec.interfaces import (
+    CacheMirror,
+    DraftUnavailable,
+    Proposal,
+    Verification,
+    draft_hidden_rows,
+)
 from specdec.proto.specdec.v1 import (
     common_pb2,
     draft_pb2,
@@ -273,11 +279,8 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
                                                sampling=wire.sampling_to_proto(params),
                                                min_confidence=min_confidence)
             if committed.target_hidden is not None:
-                rows = committed.target_hidden.before(sync.committed_position, len(sync.append))
-                if rows is None:
-                    raise DraftUnavailable("the target's hidden states do not cover the "
-                                           "committed prefix yet")
-                request.target_hidden_states.CopyFrom(wire.encode_hidden(rows))
+                request.target_hidden_states.CopyFrom(
+                    wire.encode_hidden(draft_hidden_rows(committed, sync)))
             timeout = self.timeout_s
             if self.deadline is not None:
                 timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))

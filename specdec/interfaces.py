@@ -86,3 +86,15 @@ class CacheMirror:
 
     def record(self, committed: TokenHistory, speculative: list[int]) -> None:
         self.tokens = committed.tokens + speculative
+
+
+def draft_hidden_rows(committed: TokenHistory, sync: SyncPoint) -> torch.Tensor:
+    """The target's states a feature draft reads with sync's catch-up tokens: the one
+    before each of them (HiddenStateLog.before). DraftUnavailable when they are not known
+    yet: the round goes target-only, which fills them in."""
+    log = committed.target_hidden
+    rows = None if log is None else log.before(sync.committed_position, len(sync.append))
+    if rows is None:
+        raise DraftUnavailable("the target's hidden states do not cover the committed "
+                               "prefix yet")
+    return rows

@@ -8,7 +8,7 @@ import torch
 
 from specdec.errors import CacheSyncError
 from specdec.history import TokenHistory
-from specdec.interfaces import CacheMirror, DraftUnavailable, Proposal, Verification
+from specdec.interfaces import CacheMirror, Proposal, Verification, draft_hidden_rows
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.steps import SyncPoint, draft_step, verify_step
@@ -42,14 +42,7 @@ class LocalDrafter:
         return Proposal(out.tokens, probs, time.perf_counter() - started, out.forward_s, resyncs)
 
     def _hidden_for(self, sync: SyncPoint, committed: TokenHistory) -> torch.Tensor | None:
-        if not self.needs_target_hidden:
-            return None
-        log = committed.target_hidden
-        rows = None if log is None else log.before(sync.committed_position, len(sync.append))
-        if rows is None:
-            raise DraftUnavailable("the target's hidden states do not cover the committed "
-                                   "prefix yet")
-        return rows
+        return draft_hidden_rows(committed, sync) if self.needs_target_hidden else None
 
     def release(self, session_id: str) -> None:
         self._mirrors.pop(session_id, None)
