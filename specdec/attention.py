@@ -11,6 +11,16 @@ keys; only SDPA's blocking of query rows changes, as it already does with q.
 
 Registered with transformers' AttentionInterface as "specdec_grouped_sdpa"; queries of one
 row or more than MAX_QUERY_ROWS (a prefill) go to transformers' own SDPA function.
+
+"rowwise" ("specdec_rowwise_sdpa") is the kernel that makes a verification exact in
+reduced precision. SDPA's result for a query row depends on how many keys the call holds
+(its blocking of the key axis), not only on the keys the row may see: in bfloat16 the row
+of a 4-row verification and the same token decoded alone differed by up to 0.4 in the
+logits, and greedy speculative output left the target's own on half the prompts. So every
+decode-sized call (1 to MAX_QUERY_ROWS rows) computes each row alone, over exactly its
+visible keys: the call a one-row decode of that token makes. A row's output is then the
+same whichever forward it was part of. The price is a loop of SDPA calls per layer
+(one per row), paid where the rows share a forward anyway.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specdec_grouped_sdpa"
-ATTENTION_KERNELS = ("auto", "sdpa", "grouped")
+ROWWISE_NAME = "specdec_rowwise_sdpa"
+ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 MAX_QUERY_ROWS = 16
 
 
@@ -60,27 +71,73 @@ def grouped_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return out.transpose(1, 2).contiguous(), None
 
 
+def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, attention_mask: torch.Tensor | None,
+                         dropout: float = 0.0, scaling: float | None = None,
+                         is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    batch, heads, q_length, head_dim = query.shape
+    kv_heads, kv_length = key.shape[1], key.shape[2]
+    if batch != 1 or q_length > MAX_QUERY_ROWS or kwargs.get("position_bias") is not None \
+            or not _is_causal_tail(attention_mask, q_length, kv_length):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    groups = heads // kv_heads
+    rows = []
+    for row in range(q_length):
+        visible = kv_length - q_length + row + 1
+        # The query heads of one K/V head stacked as rows of one query, as in the grouped
+        # kernel: (1, H_kv, groups, D) against that head's keys, no mask needed.
+        stacked_query = query[:, :, row].reshape(batch, kv_heads, groups, head_dim)
+        out = F.scaled_dot_product_attention(stacked_query, key[:, :, :visible],
+                                             value[:, :, :visible], dropout_p=dropout,
+                                             scale=scaling)
+        rows.append(out.reshape(batch, heads, value.shape[-1]))
+    return torch.stack(rows, dim=1), None  # (B, q, H, D), as transformers expects
+
+
+def _is_causal_tail(mask: torch.Tensor | None, q_length: int, kv_length: int) -> bool:
+    """True when the mask lets query row r see exactly the keys up to kv_length - q + r."""
+    if mask is None:
+        return True
+    if mask.dim() != 4 or mask.shape[0] != 1:
+        return False
+    mask = mask[..., -q_length:, :kv_length]
+    rows = torch.arange(kv_length - q_length, kv_length, device=mask.device)
+    causal = torch.arange(kv_length, device=mask.device) <= rows[:, None]
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, causal.expand_as(mask)))
+    return bool(torch.equal(mask == 0, causal.expand_as(mask)))
+
+
 AttentionInterface.register(NAME, grouped_sdpa_forward)
+AttentionInterface.register(ROWWISE_NAME, rowwise_sdpa_forward)
 # Without a registered mask function transformers builds no mask at all for an unknown
 # attention name; SDPA's own masks are what both paths expect.
 AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionMaskInterface.register(ROWWISE_NAME, sdpa_mask)
 
 
-def resolve_attention(kernel: str, device: torch.device) -> str:
+def resolve_attention(kernel: str, device: torch.device,
+                      dtype: torch.dtype = torch.float32) -> str:
+    """auto: rowwise for reduced precision on CPU (exact verification needs it there and
+    costs little), grouped for float32 on CPU, transformers' SDPA elsewhere."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; choose from "
                          f"{', '.join(ATTENTION_KERNELS)}")
     if kernel == "auto":
-        return "grouped" if device.type == "cpu" else "sdpa"
+        if device.type != "cpu":
+            return "sdpa"
+        return "grouped" if dtype == torch.float32 else "rowwise"
     return kernel
 
 
 def apply_attention_kernel(model: nn.Module, kernel: str) -> str:
     """Switch a loaded model's attention to `kernel`; returns the kernel used."""
     parameter = next(model.parameters())
-    chosen = resolve_attention(kernel, parameter.device)
+    chosen = resolve_attention(kernel, parameter.device, parameter.dtype)
     current = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
-    if current not in ("sdpa", NAME):
+    if current not in ("sdpa", NAME, ROWWISE_NAME):
         return current  # eager, flash, ... models keep their own
-    model.set_attn_implementation(NAME if chosen == "grouped" else "sdpa")  # type: ignore[operator]
+    implementation = {"grouped": NAME, "rowwise": ROWWISE_NAME}.get(chosen, "sdpa")
+    model.set_attn_implementation(implementation)  # type: ignore[operator]
     return chosen

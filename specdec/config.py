@@ -49,11 +49,13 @@ def add_kernel_settings(parser: argparse.ArgumentParser) -> None:
     from specdec.kernels import KERNELS
 
     add_setting(parser, "--linear-kernel", "auto",
-                "matmul kernel of the linear layers: auto (skinny for float32 on CPU), "
-                "torch or skinny; see specdec/kernels.py", choices=KERNELS)
+                "matmul kernel of the linear layers: auto (on CPU skinny for float32, "
+                "onednn for bfloat16), torch, skinny or onednn; see specdec/kernels.py",
+                choices=KERNELS)
     add_setting(parser, "--attention-kernel", "auto",
-                "attention of multi-row (verification) forwards: auto (grouped on CPU), "
-                "sdpa or grouped; see specdec/attention.py", choices=ATTENTION_KERNELS)
+                "attention of decode-sized forwards: auto (on CPU grouped for float32, "
+                "rowwise for reduced precision), sdpa, grouped or rowwise; see "
+                "specdec/attention.py", choices=ATTENTION_KERNELS)
 
 
 def apply_torch_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdec.attention import MAX_QUERY_ROWS, ROWWISE_NAME
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
@@ -66,6 +67,7 @@ class ModelRunner:
         self._lock = threading.RLock()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.needs_target_hidden = is_feature_draft(model)
+        self._row_invariant = getattr(config, "_attn_implementation", None) == ROWWISE_NAME
         self.target_hidden_size = int(getattr(model.config, TARGET_HIDDEN_SIZE_KEY, 0)
                                       if self.needs_target_hidden else 0)
 
@@ -208,15 +210,53 @@ class ModelRunner:
                 f"{committed_position} (fingerprint mismatch); re-send it from position 0")
         return session
 
+    def _pieces(self, num_tokens: int, num_logits: int) -> list[tuple[int, int]]:
+        """The forwards one extend runs, as [begin, end) token ranges.
+
+        One forward, except under the row-invariant kernels (attention "rowwise") when
+        the tokens exceed a decode-sized forward: then the tokens without logits go as one
+        prefill and the rows with logits in decode-sized forwards. A verification's first
+        round (prompt + draft) and target-only decoding (prompt, then one token at a
+        time) then compute the same prompt prefix in the same prefill, and every later
+        token in a decode-sized forward, which gives a row the same result whatever the
+        row count: the greedy output equals the target's own in reduced precision too.
+        """
+        if not self._row_invariant or num_tokens <= MAX_QUERY_ROWS:
+            return [(0, num_tokens)]
+        prefix = num_tokens - num_logits
+        pieces = [(0, prefix)] if prefix else []
+        for begin in range(prefix, num_tokens, MAX_QUERY_ROWS):
+            pieces.append((begin, min(begin + MAX_QUERY_ROWS, num_tokens)))
+        return pieces
+
     @torch.inference_mode()
     def _forward(self, session: Session, tokens: list[int], num_logits: int, hidden_rows: int,
                  target_hidden: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        ids = self.vocab.to_model_inputs(ids)
         if session.cache is None:
             session.cache = DynamicCache(config=self.model.config)
         start = len(session.history)
+        first_logit_row = len(tokens) - num_logits
+        logits: list[torch.Tensor] = []
+        states: list[torch.Tensor] = []
+        for begin, end in self._pieces(len(tokens), num_logits):
+            piece_logits = end - max(begin, first_logit_row)
+            piece_hidden = target_hidden[begin:end] if target_hidden is not None else None
+            piece_out, piece_states = self._forward_piece(
+                session.cache, tokens[begin:end], start + begin, max(1, piece_logits),
+                bool(hidden_rows), piece_hidden)
+            if piece_logits > 0:
+                logits.append(piece_out[-piece_logits:])
+            if piece_states is not None:
+                states.append(piece_states)
+        hidden = torch.cat(states)[-hidden_rows:].float() if hidden_rows else None
+        return self.vocab.restrict(torch.cat(logits)).float(), hidden
+
+    def _forward_piece(self, cache: DynamicCache, tokens: list[int], start: int,
+                       num_logits: int, capture_states: bool, target_hidden: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        ids = self.vocab.to_model_inputs(ids)
         positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
         # Only the last num_logits rows go through the LM head (a prefill needs one row,
         # not one per prompt token: 49152 x 576 per row for SmolLM2).
@@ -225,15 +265,14 @@ class ModelRunner:
             kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
         captured: list[torch.Tensor] = []
         hook = None
-        if hidden_rows:
+        if capture_states:
             # The final norm sees every position, the LM head only the last num_logits.
             hook = final_norm(self.model).register_forward_hook(
                 lambda _module, _inputs, output: captured.append(output))
         try:
-            out = self.model(input_ids=ids, cache=session.cache, position_ids=positions,
+            out = self.model(input_ids=ids, cache=cache, position_ids=positions,
                              use_cache=True, **kwargs)
         finally:
             if hook is not None:
                 hook.remove()
-        hidden = captured[-1][0, -hidden_rows:].float() if hidden_rows else None
-        return self.vocab.restrict(out.logits[0]).float(), hidden
+        return out.logits[0], (captured[-1][0] if capture_states else None)

@@ -36,7 +36,8 @@ def test_skinny_linear_keeps_gradients_off_and_other_dtypes_on_f_linear() -> Non
 def test_auto_resolves_by_device_and_dtype() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kernel("auto", cpu, torch.float32) == "skinny"
-    assert resolve_kernel("auto", cpu, torch.bfloat16) == "torch"
+    assert resolve_kernel("auto", cpu, torch.bfloat16) == "onednn"
+    assert resolve_kernel("auto", cpu, torch.float16) == "torch"
     assert resolve_kernel("auto", cuda, torch.float32) == "torch"
     assert resolve_kernel("torch", cpu, torch.float32) == "torch"
     with pytest.raises(ValueError, match="unknown linear kernel 'fast'"):

@@ -345,9 +345,9 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
             def advance(description: str) -> None:
                 bar.update(setup, advance=1, description=description[:44])
 
-            kernel = resolve_kernel(settings.linear_kernel, torch.device("cpu"),
-                                    parse_dtype(settings.dtype))
-            attention = resolve_attention(settings.attention_kernel, torch.device("cpu"))
+            dtype = parse_dtype(settings.dtype)
+            kernel = resolve_kernel(settings.linear_kernel, torch.device("cpu"), dtype)
+            attention = resolve_attention(settings.attention_kernel, torch.device("cpu"), dtype)
             costs = measure_costs(bench.target_runner, bench.draft_runner,
                                   label=f"{settings.dtype}@{kernel}@{attention}",
                                   repeats=settings.calibration_repeats,

@@ -1,0 +1,197 @@
+"""Row invariance: a token's result does not depend on how many rows share its forward.
+
+The reduced-precision serving path (bfloat16 on CPU: oneDNN linears, "rowwise" attention)
+rests on it: a verification of k + 1 rows must give each row the bits a one-row decode of
+that token gives, or greedy speculative output leaves the target's own wherever two
+logits are closer than the rounding (on half the bench prompts in bfloat16 before).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specdec import models
+from specdec.attention import MAX_QUERY_ROWS, resolve_attention, rowwise_sdpa_forward
+from specdec.kernels import ONEDNN_MIN_ROWS, OneDnnLinear, resolve_kernel
+from specdec.local import LocalDrafter, LocalVerifier
+from specdec.loop import GenerateConfig, generate
+from specdec.runner import ModelRunner
+
+CPU = torch.device("cpu")
+
+
+def _onednn_layer(in_features: int, out_features: int, dtype: torch.dtype,
+                  bias: bool = False) -> nn.Linear:
+    torch.manual_seed(in_features + out_features)
+    layer = nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    layer.__class__ = OneDnnLinear
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, ONEDNN_MIN_ROWS, 9, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_equals_f_linear(dtype: torch.dtype, rows: int, bias: bool) -> None:
+    layer = _onednn_layer(96, 200, dtype, bias)
+    x = torch.randn(1, rows, 96).to(dtype)
+    with torch.inference_mode():
+        out = layer(x)
+    expected = F.linear(x.float(), layer.weight.float(),
+                        None if layer.bias is None else layer.bias.float())
+    assert out.shape == (1, rows, 200) and out.dtype == dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [576, 1536])  # SmolLM2's two input widths
+def test_onednn_linear_row_result_is_independent_of_row_count(dtype: torch.dtype,
+                                                              in_features: int) -> None:
+    layer = _onednn_layer(in_features, 192, dtype)
+    x = torch.randn(40, in_features).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+        for rows in (2, 3, 5, 16, 40):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+def test_onednn_linear_trains_through_f_linear_and_follows_weight_updates() -> None:
+    layer = _onednn_layer(8, 4, torch.float32)
+    x = torch.randn(3, 8)
+    layer(x).sum().backward()  # autograd: the reordered copy has no gradient
+    assert layer.weight.grad is not None
+    with torch.inference_mode():
+        before = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place: the reordered copy must be rebuilt
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), 2 * before)
+
+
+def test_auto_kernels_for_reduced_precision_on_cpu() -> None:
+    assert resolve_kernel("auto", CPU, torch.bfloat16) == "onednn"
+    assert resolve_attention("auto", CPU, torch.bfloat16) == "rowwise"
+    assert resolve_kernel("auto", CPU, torch.float32) == "skinny"
+    assert resolve_attention("auto", CPU, torch.float32) == "grouped"
+    assert resolve_attention("auto", torch.device("cuda"), torch.bfloat16) == "sdpa"
+
+
+@pytest.mark.parametrize("q_length", [1, 2, 5, MAX_QUERY_ROWS, MAX_QUERY_ROWS + 1])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "padded"])
+def test_rowwise_attention_equals_transformers_sdpa(q_length: int, mask_kind: str) -> None:
+    torch.manual_seed(q_length)
+    heads, kv_heads, kv_length, dim = 9, 3, 40, 16
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    query = torch.randn(1, heads, q_length, dim)
+    key, value = torch.randn(2, 1, kv_heads, kv_length, dim).unbind(0)
+    rows = torch.arange(kv_length - q_length, kv_length)
+    causal = (torch.arange(kv_length) <= rows[:, None])[None, None]
+    mask = None if mask_kind == "none" else causal.clone()
+    if mask_kind == "padded" and mask is not None:
+        mask[..., 3] = False  # not a plain causal tail: must fall back, not be ignored
+    # Unmasked, decode-sized queries sit at the end of the keys; a prefill goes to
+    # transformers' function unchanged, whatever it does.
+    expected_mask = causal if mask is None and q_length <= MAX_QUERY_ROWS else mask
+    expected, _ = sdpa_attention_forward(module, query, key, value, expected_mask,
+                                         scaling=0.25)
+    out, _ = rowwise_sdpa_forward(module, query, key, value, mask, scaling=0.25)
+    assert out.shape == (1, q_length, heads, dim)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# -- the real target in bfloat16 --------------------------------------------------------------
+
+def _load_target(attention_kernel: str = "auto") -> models.LoadedModel:
+    torch.set_num_threads(2)
+    return models.load_causal_lm(models.DEFAULT_TARGET, CPU, torch.bfloat16, progress=False,
+                                 attention_kernel=attention_kernel)
+
+
+@pytest.fixture(scope="module")
+def target_bf16() -> models.LoadedModel:
+    return _load_target()
+
+
+def _verify_vs_decode(runner: ModelRunner, prompt: list[int], block: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of block as one verification, and as one-token decodes."""
+    runner.extend("verify", 0, 0, prompt)
+    fingerprint = runner._sessions["verify"].history.fingerprint(len(prompt))
+    verified = runner.extend("verify", len(prompt), fingerprint, block,
+                             num_logits=len(block)).logits
+    decoded = []
+    runner.extend("decode", 0, 0, prompt)
+    for position, token in enumerate(block, start=len(prompt)):
+        history = runner._sessions["decode"].history
+        decoded.append(runner.extend("decode", position, history.fingerprint(position),
+                                     [token]).logits)
+    return verified, torch.cat(decoded)
+
+
+@pytest.mark.slow
+def test_verification_rows_equal_decoded_rows_bit_for_bit(
+        target_bf16: models.LoadedModel) -> None:
+    runner = ModelRunner(target_bf16.model)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 49152, (60,), generator=generator).tolist()
+    block = torch.randint(0, 49152, (9,), generator=generator).tolist()
+    verified, decoded = _verify_vs_decode(runner, prompt, block)
+    assert torch.equal(verified, decoded)
+
+
+@pytest.mark.slow
+def test_grouped_attention_control_is_not_row_invariant_in_bfloat16() -> None:
+    """The control: the fp32 kernel in bfloat16 changes rows, so the test above has power."""
+    runner = ModelRunner(_load_target("grouped").model)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 49152, (60,), generator=generator).tolist()
+    block = torch.randint(0, 49152, (9,), generator=generator).tolist()
+    verified, decoded = _verify_vs_decode(runner, prompt, block)
+    assert not torch.equal(verified, decoded)
+
+
+def test_long_extend_runs_the_prefix_as_one_prefill_and_logit_rows_in_decode_forwards() -> None:
+    runner = types.SimpleNamespace(_row_invariant=True)
+    pieces = ModelRunner._pieces
+    assert pieces(runner, MAX_QUERY_ROWS, 3) == [(0, MAX_QUERY_ROWS)]  # type: ignore[arg-type]
+    assert pieces(runner, 60, 1) == [(0, 59), (59, 60)]  # type: ignore[arg-type]
+    assert pieces(runner, 60, 5) == [(0, 55), (55, 60)]  # type: ignore[arg-type]
+    assert pieces(runner, 60, 20) == [(0, 40), (40, 56), (56, 60)]  # type: ignore[arg-type]
+    runner._row_invariant = False
+    assert pieces(runner, 60, 5) == [(0, 60)]  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_name", [models.DEFAULT_DRAFT, models.FEATURE_DRAFT])
+def test_bfloat16_greedy_speculation_equals_target_only_decoding(
+        target_bf16: models.LoadedModel, draft_name: str) -> None:
+    """Against the target as served: specdec's own target-only loop, same kernels."""
+    tokenizer = target_bf16.tokenizer
+    assert tokenizer is not None
+    draft = models.load_causal_lm(draft_name, CPU, torch.bfloat16, progress=False)
+    eos = [int(target_bf16.model.config.eos_token_id)]
+    prompts = [list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True,
+        return_dict=True)["input_ids"]) for text in
+        ("Name three uses of copper.", "Write a haiku about autumn rain.",
+         "Explain what a hash map is.")]
+    prompts.append(tokenizer("The history of the printing press")["input_ids"])  # < 16 rows
+    for prompt in prompts:
+        target_only = generate(None, LocalVerifier(ModelRunner(target_bf16.model)), prompt,
+                               GenerateConfig(max_new_tokens=40, num_draft_tokens=0,
+                                              eos_token_ids=eos))
+        for draft_length in (1, 3, 8):
+            drafter = LocalDrafter(ModelRunner(draft.model, target_vocab_size=49152,
+                                               token_map=draft.token_map))
+            speculative = generate(drafter, LocalVerifier(ModelRunner(target_bf16.model)),
+                                   prompt, GenerateConfig(max_new_tokens=40,
+                                                          num_draft_tokens=draft_length,
+                                                          eos_token_ids=eos))
+            assert speculative.token_ids == target_only.token_ids, (prompt, draft_length)
+            assert speculative.stats.accepted_tokens > 0
