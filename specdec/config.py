@@ -37,7 +37,8 @@ def add_model_settings(parser: argparse.ArgumentParser,
         add_setting(parser, "--draft-model", DEFAULT_DRAFT,
                     "draft model: the embedded trained draft, or any HF path or id")
     add_setting(parser, "--device", "cpu", "torch device: cpu, cuda, cuda:N or auto")
-    add_setting(parser, "--dtype", "float32", "model dtype: float32, bfloat16 or float16")
+    add_setting(parser, "--dtype", "bfloat16",
+                "model dtype: bfloat16, float32 or float16 (see docs/benchmarks.md section 2)")
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
     add_kernel_settings(parser)

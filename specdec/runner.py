@@ -214,17 +214,18 @@ class ModelRunner:
         """The forwards one extend runs, as [begin, end) token ranges.
 
         One forward, except under the row-invariant kernels (attention "rowwise") when
-        the tokens exceed a decode-sized forward: then the tokens without logits go as one
-        prefill and the rows with logits in decode-sized forwards. A verification's first
-        round (prompt + draft) and target-only decoding (prompt, then one token at a
-        time) then compute the same prompt prefix in the same prefill, and every later
-        token in a decode-sized forward, which gives a row the same result whatever the
-        row count: the greedy output equals the target's own in reduced precision too.
+        the tokens exceed a decode-sized forward: then everything up to the first row
+        with logits goes as one prefill and the other rows with logits in decode-sized
+        forwards. The first round of a verification (prompt + draft) then runs the same
+        prefill as target-only decoding and transformers' `generate` (the prompt), and
+        every later token a decode-sized forward, which gives a row the same result
+        whatever the row count: greedy output equals the target's own in reduced
+        precision too.
         """
         if not self._row_invariant or num_tokens <= MAX_QUERY_ROWS:
             return [(0, num_tokens)]
-        prefix = num_tokens - num_logits
-        pieces = [(0, prefix)] if prefix else []
+        prefix = num_tokens - num_logits + 1
+        pieces = [(0, prefix)]
         for begin in range(prefix, num_tokens, MAX_QUERY_ROWS):
             pieces.append((begin, min(begin + MAX_QUERY_ROWS, num_tokens)))
         return pieces
