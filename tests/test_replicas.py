@@ -126,7 +126,8 @@ def replicas(models: Models, tmp_path_factory: pytest.TempPathFactory
                 process = subprocess.Popen(
                     [sys.executable, "-m", "specdec.cli", "serve", role, "--port", str(port),
                      "--target-model", str(models.target_dir),
-                     "--draft-model", str(models.draft_dir), "--torch-threads", "1"],
+                     "--draft-model", str(models.draft_dir), "--torch-threads", "1",
+                     "--dtype", "float32"],  # the in-process reference runs float32
                     env=env, stdout=log, stderr=subprocess.STDOUT)
             started.append(Replica(role, port, process))
         for replica in started:
