@@ -89,8 +89,7 @@ class OneDnnLinear(nn.Linear):
         # count's (measured: K = 1536), and two rows a slow one (20 ms for SmolLM2's
         # matrices in bfloat16 vs 16 ms at four, 18 ms at one). Padded to four rows, a
         # row's result is the same in a decode, a verification and a prefill, and faster.
-        flat = input.reshape(rows, features)
-        flat = torch.cat([flat, flat.new_zeros(ONEDNN_MIN_ROWS - rows, features)])
+        flat = F.pad(input.reshape(rows, features), (0, 0, 0, ONEDNN_MIN_ROWS - rows))
         out = torch.ops.mkldnn._linear_pointwise(
             flat, self._packed_weight(), self.bias, "none", [], "")[:rows]
         return out.reshape(*input.shape[:-1], self.out_features)

@@ -8,13 +8,17 @@ logits) must be rejected by the same test, which shows the test has power.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from exact_law import chi_square_pvalue, target_law
 from tiny_models import tiny_llama
 
+from specdec.attention import apply_attention_kernel
 from specdec.history import TokenHistory
 from specdec.interfaces import Proposal
+from specdec.kernels import apply_linear_kernel
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, generate
 from specdec.runner import ModelRunner
@@ -69,6 +73,20 @@ def test_speculative_law_matches_target(models, setting: str) -> None:
     target, draft = models
     params = SETTINGS[setting]
     law = target_law(target, PROMPT, params, LENGTH)
+    samples = sample_joint(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                           params, num_draft_tokens=2)
+    assert chi_square_pvalue(samples, law) > 1e-3
+
+
+def test_speculative_law_matches_target_in_bfloat16_with_the_cpu_kernels(models) -> None:
+    """The default dtype: bfloat16 through the oneDNN linear and rowwise attention kernels."""
+    target, draft = (copy.deepcopy(model).to(torch.bfloat16) for model in models)
+    for model in (target, draft):
+        assert apply_linear_kernel(model, "auto") == "onednn"
+        assert apply_attention_kernel(model, "auto") == "rowwise"
+    params = SETTINGS["T0.7_topk4"]
+    with torch.inference_mode():
+        law = target_law(target, PROMPT, params, LENGTH)
     samples = sample_joint(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
                            params, num_draft_tokens=2)
     assert chi_square_pvalue(samples, law) > 1e-3
