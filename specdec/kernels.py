@@ -17,15 +17,19 @@ and a (k+1)-row forward. It changes nothing else: bfloat16, float16, CUDA and pr
 (more than SKINNY_MAX_ROWS rows) keep `F.linear`, which is as fast or faster there.
 
 Kernels: "torch" (F.linear everywhere), "skinny" (the above), "onednn" (below), "auto"
-(onednn on CPU where oneDNN is built in, torch otherwise).
+(on CPU skinny for float32 and onednn for bfloat16; torch otherwise).
 
 "onednn" hands the product to oneDNN with the weight reordered once, at load, into its
 blocked layout (the path torch.compile's CPU backend takes for linear layers). Measured on
 the same machine (2 threads, AVX-512, all SmolLM2-135M matrices, median ms for 1/2/4/8
 rows): float32 skinny 24/21/30/45, onednn 22-33 flat; bfloat16 `F.linear` 26/26/28/32,
 onednn 15/20/15/17. Flat in the row count is what a verification needs: k + 1 rows cost
-about what one does. Each output row comes from the same blocked reduction whatever the
-row count, so a row's logits do not depend on how many rows share the forward. The
+about what one does. From 2 rows up (2-300 checked) each output row comes from the same
+blocked reduction whatever the row count; 1 row takes another path, so 1-3 rows are
+padded to 4 (also the fastest count): a row's logits do not depend on how many rows
+share the forward, which exact verification in bfloat16 needs
+(tests/test_row_invariance.py). Float32 keeps the skinny kernel under "auto": its
+one-row forward measured faster there (T_target(1) 32 vs 44-58 ms). The
 reordered copy is held beside the weight (the weight stays: tied embeddings and
 state_dict read it), so linear weights take twice their memory. Autograd goes through
 `F.linear`: the reordered copy serves inference only, and is rebuilt if the weight changes.
