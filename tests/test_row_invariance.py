@@ -94,9 +94,12 @@ def target_bf16() -> models.LoadedModel:
     return _load_target()
 
 
-def _verify_vs_decode(runner: ModelRunner, prompt: list[int], block: list[int]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of block as one verification, and as one-token decodes."""
+def _verify_vs_decode(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a 9-token block after a 60-token prompt (random tokens, fixed seed), as
+    one verification, and as one-token decodes."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 49152, (60,), generator=generator).tolist()
+    block = torch.randint(0, 49152, (9,), generator=generator).tolist()
     runner.extend("verify", 0, 0, prompt)
     fingerprint = runner._sessions["verify"].history.fingerprint(len(prompt))
     verified = runner.extend("verify", len(prompt), fingerprint, block,
@@ -114,10 +117,7 @@ def _verify_vs_decode(runner: ModelRunner, prompt: list[int], block: list[int]
 def test_verification_rows_equal_decoded_rows_bit_for_bit(
         target_bf16: models.LoadedModel) -> None:
     runner = ModelRunner(target_bf16.model)
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 49152, (60,), generator=generator).tolist()
-    block = torch.randint(0, 49152, (9,), generator=generator).tolist()
-    verified, decoded = _verify_vs_decode(runner, prompt, block)
+    verified, decoded = _verify_vs_decode(runner)
     assert torch.equal(verified, decoded)
 
 
@@ -125,10 +125,7 @@ def test_verification_rows_equal_decoded_rows_bit_for_bit(
 def test_grouped_attention_control_is_not_row_invariant_in_bfloat16() -> None:
     """The control: the fp32 kernel in bfloat16 changes rows, so the test above has power."""
     runner = ModelRunner(_load_target("grouped").model)
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 49152, (60,), generator=generator).tolist()
-    block = torch.randint(0, 49152, (9,), generator=generator).tolist()
-    verified, decoded = _verify_vs_decode(runner, prompt, block)
+    verified, decoded = _verify_vs_decode(runner)
     assert not torch.equal(verified, decoded)
 
 
