@@ -68,14 +68,19 @@ def sample_joint(drafter: LocalDrafter, verifier: LocalVerifier, params: Samplin
     return samples
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_speculative_law_matches_target(models, setting: str) -> None:
-    target, draft = models
-    params = SETTINGS[setting]
-    law = target_law(target, PROMPT, params, LENGTH)
+def assert_law_matches(target: torch.nn.Module, draft: torch.nn.Module,
+                       params: SamplingParams) -> None:
+    """Speculative samples (k = 2) fit the target's enumerated joint law."""
+    with torch.inference_mode():
+        law = target_law(target, PROMPT, params, LENGTH)
     samples = sample_joint(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
                            params, num_draft_tokens=2)
     assert chi_square_pvalue(samples, law) > 1e-3
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_speculative_law_matches_target(models, setting: str) -> None:
+    assert_law_matches(*models, SETTINGS[setting])
 
 
 def test_speculative_law_matches_target_in_bfloat16_with_the_cpu_kernels(models) -> None:
@@ -84,12 +89,7 @@ def test_speculative_law_matches_target_in_bfloat16_with_the_cpu_kernels(models)
     for model in (target, draft):
         assert apply_linear_kernel(model, "auto") == "onednn"
         assert apply_attention_kernel(model, "auto") == "rowwise"
-    params = SETTINGS["T0.7_topk4"]
-    with torch.inference_mode():
-        law = target_law(target, PROMPT, params, LENGTH)
-    samples = sample_joint(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
-                           params, num_draft_tokens=2)
-    assert chi_square_pvalue(samples, law) > 1e-3
+    assert_law_matches(target, draft, SETTINGS["T0.7_topk4"])
 
 
 def test_wrong_q_is_rejected_by_the_same_test(models) -> None:
