@@ -45,6 +45,7 @@ from specdec.proto.specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
+from specdec.rejection import NO_ALTERNATIVES, Alternatives
 from specdec.sampling import SamplingParams
 from specdec.steps import SyncPoint
 
@@ -270,14 +271,16 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
         return self.descriptions[endpoint] > 0
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
+                params: SamplingParams, min_confidence: float = 0.0,
+                num_alternatives: int = 0) -> Proposal:
         started = time.perf_counter()
         mirror, sync, resyncs = self._begin(session_id, committed)
         refused = 0
         while True:
             request = draft_pb2.ProposeRequest(sync=wire.sync_to_proto(sync), num_tokens=num_tokens,
                                                sampling=wire.sampling_to_proto(params),
-                                               min_confidence=min_confidence)
+                                               min_confidence=min_confidence,
+                                               num_alternatives=num_alternatives)
             if committed.target_hidden is not None:
                 request.target_hidden_states.CopyFrom(
                     wire.encode_hidden(draft_hidden_rows(committed, sync)))
@@ -305,6 +308,7 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
         tokens = list(response.tokens)
         try:
             probs = self._checked(response, tokens, num_tokens, params, min_confidence > 0)
+            alternatives = self._checked_alternatives(response, len(tokens), num_alternatives)
         except InvalidRequest as error:  # a draft that answers nonsense is not used
             _assume_done(mirror, committed)
             raise DraftUnavailable(f"draft {self.endpoint} answered badly: {error}") from None
@@ -312,7 +316,17 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
             self.relay.put(session_id, probs, response.probs)
         mirror.record(committed, tokens[:-1])  # the last proposal is never fed to the draft
         return Proposal(tokens, probs, time.perf_counter() - started, response.forward_seconds,
-                        resyncs, request.ByteSize() + response.ByteSize())
+                        resyncs, request.ByteSize() + response.ByteSize(), alternatives)
+
+    def _checked_alternatives(self, response: draft_pb2.ProposeResponse, num_tokens: int,
+                              asked: int) -> Alternatives:
+        alternatives = wire.alternatives_from_proto(response.alternatives, self.vocab_size)
+        if len(alternatives) > asked or any(not 1 <= depth <= num_tokens
+                                            for depth in alternatives.depths):
+            raise InvalidRequest(f"{len(alternatives)} alternatives at depths "
+                                 f"{list(alternatives.depths)} for {asked} asked beside "
+                                 f"{num_tokens} tokens")
+        return alternatives
 
     def _checked(self, response: draft_pb2.ProposeResponse, tokens: list[int],
                  num_tokens: int, params: SamplingParams,
@@ -349,7 +363,8 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
         self.retry_interval_s = retry_interval_s
 
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
-               draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification:
+               draft_probs: torch.Tensor | None, params: SamplingParams,
+               alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
         started = time.perf_counter()
         give_up = time.monotonic() + self.call_timeout_s
         if self.deadline is not None:
@@ -367,6 +382,8 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                 sync=wire.sync_to_proto(sync), draft_tokens=draft_tokens,
                 sampling=wire.sampling_to_proto(params),
                 return_hidden_states=committed.target_hidden is not None)
+            if alternatives:
+                request.alternatives.CopyFrom(wire.alternatives_to_proto(alternatives))
             if probs_message is not None:
                 request.draft_probs.CopyFrom(probs_message)
             try:
@@ -399,18 +416,26 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                     continue
                 raise from_rpc_error(error, f"target {self.endpoint}") from None
         mirror.record(committed, draft_tokens)
+        kept = None
+        if response.HasField("kept_alternative"):
+            if response.kept_alternative >= len(alternatives):
+                raise ServiceUnavailable(
+                    f"target {self.endpoint} kept alternative {response.kept_alternative} of "
+                    f"{len(alternatives)} sent")
+            kept = alternatives.tokens[response.kept_alternative]
         hidden = None
         if request.return_hidden_states and response.HasField("hidden_states"):
             try:
                 hidden = wire.decode_hidden(
-                    response.hidden_states, len(sync.append) + response.accepted_len,
+                    response.hidden_states,
+                    len(sync.append) + response.accepted_len + (kept is not None),
                     response.hidden_states.hidden_size, "hidden_states")
             except InvalidRequest as error:  # the draft goes without; output is unaffected
                 log.warning("target %s: unusable hidden states: %s", self.endpoint, error)
         return Verification(response.accepted_len, response.next_token,
                             time.perf_counter() - started, response.forward_seconds, resyncs,
                             request.ByteSize() + response.ByteSize(), hidden,
-                            sync.committed_position)
+                            sync.committed_position, kept)
 
     def _probs_message(self, session_id: str, draft_tokens: list[int],
                        draft_probs: torch.Tensor | None,

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     return CoordinatorSettings(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
-        draft_confidence=args.draft_confidence,
+        draft_confidence=args.draft_confidence, num_alternatives=args.draft_alternatives,
         max_new_tokens_limit=args.max_new_tokens_limit,
         draft_timeout_s=args.draft_timeout_ms / 1000, target_timeout_s=args.target_timeout_s)
 

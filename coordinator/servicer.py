@@ -36,6 +36,7 @@ from specdec.interfaces import Drafter, Verifier
 from specdec.loop import GenerateConfig, GenerationResult, RoundEvent, generate
 from specdec.model_service import ModelInfo
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.observe import RequestObserver
 from specdec.telemetry.service import Telemetry
 
@@ -48,6 +49,7 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 class CoordinatorSettings:
     num_draft_tokens: int = 4  # when a request has no `speculation`
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # adaptive requests without their own
+    num_alternatives: int = DEFAULT_ALTERNATIVES  # greedy requests without their own
     max_draft_tokens: int = 16
     max_new_tokens_limit: int = 2048
     draft_timeout_s: float = 5.0  # per Propose; slower counts as unavailable
@@ -101,7 +103,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.draft_descriptions: dict[str, int] = {}  # endpoint -> target hidden size read
         self.limits = Limits(target.vocab_size, target.max_context,
                              self.settings.max_new_tokens_limit, self.settings.max_draft_tokens,
-                             self.settings.num_draft_tokens, self.settings.draft_confidence)
+                             self.settings.num_draft_tokens, self.settings.draft_confidence,
+                             self.settings.num_alternatives)
 
     def service(self) -> Service:
         return Service(SERVICE_NAME,
@@ -204,6 +207,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         config = GenerateConfig(max_new_tokens=valid.max_new_tokens, sampling=valid.sampling,
                                 num_draft_tokens=valid.num_draft_tokens,
                                 draft_confidence=valid.draft_confidence,
+                                num_alternatives=valid.num_alternatives,
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)
         loop_drafter: Drafter | None = drafter

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec import wire
+from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import coordinator_pb2
 from specdec.sampling import SamplingParams
@@ -20,6 +21,7 @@ class Limits:
     max_draft_tokens: int
     default_draft_tokens: int  # when the request has no `speculation`
     default_draft_confidence: float = 0.0  # adaptive requests that do not set their own
+    default_alternatives: int = 0  # greedy requests that do not set their own
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class ValidRequest:
     adaptive: bool
     stop: list[str]
     draft_confidence: float = 0.0
+    num_alternatives: int = 0
 
 
 def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
@@ -61,6 +64,15 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not 0.0 <= draft_confidence <= 1.0:  # NaN fails this too
             raise InvalidRequest(f"speculation.draft_confidence must be in [0, 1], "
                                  f"got {draft_confidence}")
+    num_alternatives = limits.default_alternatives if sampling.greedy else 0
+    if request.HasField("speculation") and request.speculation.HasField("num_alternatives"):
+        num_alternatives = request.speculation.num_alternatives
+        if not 0 <= num_alternatives <= MAX_QUERY_ROWS:
+            raise InvalidRequest(f"speculation.num_alternatives must be in "
+                                 f"[0, {MAX_QUERY_ROWS}], got {num_alternatives}")
+        if num_alternatives and not sampling.greedy:
+            raise InvalidRequest("speculation.num_alternatives applies to greedy requests "
+                                 "only (temperature 0); sampled requests verify a chain")
     stop = list(request.stop)
     for index, text in enumerate(stop):
         if not text:
@@ -84,7 +96,7 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
             f"tokens exceeds the target's context of {limits.max_context}; at most "
             f"{limits.max_context - len(prompt_ids)}")
     return ValidRequest(prompt_ids, request.max_new_tokens, sampling, num_draft_tokens,
-                        adaptive, stop, draft_confidence)
+                        adaptive, stop, draft_confidence, num_alternatives)
 
 
 def tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:

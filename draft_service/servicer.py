@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from specdec import wire
+from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
 from specdec.grpc_server import Service
 from specdec.grpc_status import rpc_errors
@@ -42,6 +43,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                  f"got {request.num_tokens}")
         if not 0.0 <= request.min_confidence <= 1.0:
             raise InvalidRequest(f"min_confidence must be in [0, 1], got {request.min_confidence}")
+        if not 0 <= request.num_alternatives <= MAX_QUERY_ROWS:
+            raise InvalidRequest(f"num_alternatives must be in [0, {MAX_QUERY_ROWS}], got "
+                                 f"{request.num_alternatives}")
         target_hidden = None
         if self.runner.needs_target_hidden:
             if not request.HasField("target_hidden_states"):
@@ -56,7 +60,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                  "them (Describe reports target_hidden_size 0)")
         out = self.sessions.call(sync.session_id, lambda: draft_step(
             self.runner, sync, request.num_tokens, params, request.min_confidence,
-            target_hidden))
+            target_hidden, request.num_alternatives))
         # Catch-up tokens in one forward, then one step per further draft token.
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=len(sync.append) + len(out.tokens) - 1,
@@ -64,6 +68,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             catch_up_tokens=len(sync.append))
         response = draft_pb2.ProposeResponse(tokens=out.tokens, kv_length=out.kv_length,
                                              forward_seconds=out.forward_s)
+        if out.alternatives:
+            response.alternatives.CopyFrom(wire.alternatives_to_proto(out.alternatives))
         if out.probs is not None:
             # Rows are over the draft's own columns; the token map (if any) names them.
             response.probs.CopyFrom(wire.encode_probs(out.probs, self.runner.vocab.token_map))

@@ -77,36 +77,67 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     batch, heads, q_length, head_dim = query.shape
     kv_heads, kv_length = key.shape[1], key.shape[2]
-    if batch != 1 or q_length > MAX_QUERY_ROWS or kwargs.get("position_bias") is not None \
-            or not _is_causal_tail(attention_mask, q_length, kv_length):
+    visible = None
+    if batch == 1 and q_length <= MAX_QUERY_ROWS and kwargs.get("position_bias") is None:
+        visible = _visible_keys(attention_mask, q_length, kv_length)
+    if visible is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     groups = heads // kv_heads
     rows = []
-    for row in range(q_length):
-        visible = kv_length - q_length + row + 1
+    for row, (prefix, extra) in enumerate(visible):
+        row_key, row_value = key[:, :, :prefix], value[:, :, :prefix]
+        if extra is not None:
+            # A token-tree row (an alternative beside the chain): its prefix, then itself;
+            # the same keys in the same order as the one-row decode of that token.
+            row_key = torch.cat([row_key, key[:, :, extra:extra + 1]], dim=2)
+            row_value = torch.cat([row_value, value[:, :, extra:extra + 1]], dim=2)
         # The query heads of one K/V head stacked as rows of one query, as in the grouped
         # kernel: (1, H_kv, groups, D) against that head's keys, no mask needed.
         stacked_query = query[:, :, row].reshape(batch, kv_heads, groups, head_dim)
-        out = F.scaled_dot_product_attention(stacked_query, key[:, :, :visible],
-                                             value[:, :, :visible], dropout_p=dropout,
-                                             scale=scaling)
+        out = F.scaled_dot_product_attention(stacked_query, row_key, row_value,
+                                             dropout_p=dropout, scale=scaling)
         rows.append(out.reshape(batch, heads, value.shape[-1]))
     return torch.stack(rows, dim=1), None  # (B, q, H, D), as transformers expects
 
 
-def _is_causal_tail(mask: torch.Tensor | None, q_length: int, kv_length: int) -> bool:
-    """True when the mask lets query row r see exactly the keys up to kv_length - q + r."""
-    if mask is None:
-        return True
-    if mask.dim() != 4 or mask.shape[0] != 1:
-        return False
-    mask = mask[..., -q_length:, :kv_length]
-    rows = torch.arange(kv_length - q_length, kv_length, device=mask.device)
-    causal = torch.arange(kv_length, device=mask.device) <= rows[:, None]
-    if mask.dtype == torch.bool:
-        return bool(torch.equal(mask, causal.expand_as(mask)))
-    return bool(torch.equal(mask == 0, causal.expand_as(mask)))
+# Every layer of a forward gets the same mask object; it is read once per forward.
+_last_mask: tuple[torch.Tensor | None, list[tuple[int, int | None]] | None] = (None, None)
+
+
+def _visible_keys(mask: torch.Tensor | None, q_length: int, kv_length: int
+                  ) -> list[tuple[int, int | None]] | None:
+    """Per query row: (prefix, extra) when the row sees keys [0, prefix) plus the key at
+    `extra` (None: the prefix alone); None when some row sees another pattern."""
+    global _last_mask
+    if mask is None:  # causal, with the queries at the end of the keys
+        return [(kv_length - q_length + row + 1, None) for row in range(q_length)]
+    cached_mask, cached = _last_mask  # one read: runners in other threads replace it
+    if cached_mask is mask:
+        return cached
+    visible = _mask_patterns(mask, q_length, kv_length)
+    _last_mask = (mask, visible)
+    return visible
+
+
+def _mask_patterns(mask: torch.Tensor, q_length: int, kv_length: int
+                   ) -> list[tuple[int, int | None]] | None:
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
+        return None
+    allowed = mask[0, 0, -q_length:, :kv_length]
+    allowed = allowed if allowed.dtype == torch.bool else allowed == 0
+    allowed = allowed.cpu()
+    visible: list[tuple[int, int | None]] = []
+    for row in allowed:
+        count = int(row.sum())
+        prefix = int(row.int().cumprod(0).sum())  # leading visible keys
+        if count == prefix and prefix > 0:
+            visible.append((prefix, None))
+        elif count == prefix + 1:
+            visible.append((prefix, int(row[prefix:].int().argmax()) + prefix))
+        else:
+            return None
+    return visible
 
 
 AttentionInterface.register(NAME, grouped_sdpa_forward)

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from specdec.history import TokenHistory
+from specdec.rejection import NO_ALTERNATIVES, Alternatives
 from specdec.sampling import SamplingParams
 from specdec.steps import SyncPoint
 
@@ -25,11 +26,12 @@ class Proposal:
     forward_s: float = 0.0  # model time inside the draft service
     resyncs: int = 0
     wire_bytes: int = 0
+    alternatives: Alternatives = NO_ALTERNATIVES  # greedy only: verified beside the chain
 
 
 @dataclass(frozen=True)
 class Verification:
-    accepted_len: int
+    accepted_len: int  # leading draft tokens of the chain kept
     next_token: int
     elapsed_s: float
     forward_s: float = 0.0
@@ -39,6 +41,20 @@ class Verification:
     # committed to its cache; only when the committed history carries a HiddenStateLog.
     hidden: torch.Tensor | None = None
     hidden_position: int = 0
+    # The alternative kept after the chain's accepted_len tokens (before next_token).
+    alternative_token: int | None = None
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens kept this round, a kept alternative included."""
+        return self.accepted_len + (self.alternative_token is not None)
+
+    def emitted(self, draft_tokens: list[int]) -> list[int]:
+        """The tokens this round adds to the committed history."""
+        kept = draft_tokens[: self.accepted_len]
+        if self.alternative_token is not None:
+            kept = [*kept, self.alternative_token]
+        return [*kept, self.next_token]
 
 
 class DraftUnavailable(Exception):
@@ -53,8 +69,10 @@ class Drafter(Protocol):
         ...
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
-        """Up to num_tokens tokens: fewer only when min_confidence stops the draft."""
+                params: SamplingParams, min_confidence: float = 0.0,
+                num_alternatives: int = 0) -> Proposal:
+        """Up to num_tokens tokens: fewer only when min_confidence stops the draft.
+        num_alternatives (greedy): next-best tokens per depth (steps.draft_step)."""
         ...
 
     def release(self, session_id: str) -> None: ...
@@ -62,7 +80,8 @@ class Drafter(Protocol):
 
 class Verifier(Protocol):
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
-               draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification:
+               draft_probs: torch.Tensor | None, params: SamplingParams,
+               alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
         """Returns the target's hidden states too when committed.target_hidden is set."""
         ...
 

@@ -9,6 +9,7 @@ import torch
 from specdec.errors import CacheSyncError
 from specdec.history import TokenHistory
 from specdec.interfaces import CacheMirror, Proposal, Verification, draft_hidden_rows
+from specdec.rejection import NO_ALTERNATIVES, Alternatives
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.steps import SyncPoint, draft_step, verify_step
@@ -24,22 +25,24 @@ class LocalDrafter:
         return self.runner.needs_target_hidden
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
+                params: SamplingParams, min_confidence: float = 0.0,
+                num_alternatives: int = 0) -> Proposal:
         started = time.perf_counter()
         mirror = self._mirrors.setdefault(session_id, CacheMirror())
         resyncs = 0
         try:
             sync = mirror.plan(session_id, committed)
             out = draft_step(self.runner, sync, num_tokens, params, min_confidence,
-                             self._hidden_for(sync, committed))
+                             self._hidden_for(sync, committed), num_alternatives)
         except CacheSyncError:  # evicted under memory pressure: rebuild from the prefix
             resyncs = 1
             sync = mirror.full_resync(session_id, committed)
             out = draft_step(self.runner, sync, num_tokens, params, min_confidence,
-                             self._hidden_for(sync, committed))
+                             self._hidden_for(sync, committed), num_alternatives)
         mirror.record(committed, out.tokens[:-1])
         probs = None if out.probs is None else self.runner.vocab.to_target_probs(out.probs)
-        return Proposal(out.tokens, probs, time.perf_counter() - started, out.forward_s, resyncs)
+        return Proposal(out.tokens, probs, time.perf_counter() - started, out.forward_s, resyncs,
+                        alternatives=out.alternatives)
 
     def _hidden_for(self, sync: SyncPoint, committed: TokenHistory) -> torch.Tensor | None:
         return draft_hidden_rows(committed, sync) if self.needs_target_hidden else None
@@ -55,7 +58,8 @@ class LocalVerifier:
         self._mirrors: dict[str, CacheMirror] = {}
 
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
-               draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification:
+               draft_probs: torch.Tensor | None, params: SamplingParams,
+               alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
         started = time.perf_counter()
         mirror = self._mirrors.setdefault(session_id, CacheMirror())
         resyncs = 0
@@ -63,16 +67,18 @@ class LocalVerifier:
         try:
             sync = mirror.plan(session_id, committed)
             out = verify_step(self.runner, sync, draft_tokens, draft_probs, params,
-                              return_hidden)
+                              return_hidden, alternatives)
         except CacheSyncError:
             resyncs = 1
             sync = mirror.full_resync(session_id, committed)
             out = verify_step(self.runner, sync, draft_tokens, draft_probs, params,
-                              return_hidden)
+                              return_hidden, alternatives)
         mirror.record(committed, draft_tokens)
         return Verification(out.verdict.accepted_len, out.verdict.next_token,
                             time.perf_counter() - started, out.forward_s, resyncs,
-                            hidden=out.hidden, hidden_position=sync.committed_position)
+                            hidden=out.hidden, hidden_position=sync.committed_position,
+                            alternative_token=alternatives.tokens[out.verdict.alternative]
+                            if out.verdict.alternative >= 0 else None)
 
     def release(self, session_id: str) -> None:
         self._mirrors.pop(session_id, None)

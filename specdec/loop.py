@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from specdec.history import HiddenStateLog, TokenHistory
 from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verifier
 from specdec.policy import DraftBackoff, FixedLength, LengthPolicy
+from specdec.rejection import NO_ALTERNATIVES
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats
 
@@ -28,6 +29,8 @@ class GenerateConfig:
     num_draft_tokens: int = 4  # 0 = target only
     # Stop a proposal after a token the draft gives less than this probability (0 = off).
     draft_confidence: float = 0.0
+    # Greedy: the draft's next-best tokens per depth, verified beside its chain (0 = off).
+    num_alternatives: int = 0
     eos_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     session_id: str = ""
@@ -42,13 +45,14 @@ class RoundEvent:
     position_after: int
     asked: int
     proposal: Proposal | None
-    accepted_len: int
+    accepted_len: int  # draft tokens kept: the chain's, and a kept alternative
     emitted: list[int]
     bonus: bool
     verify_s: float
     verify_forward_s: float
     resyncs: int
     degraded: bool
+    alternative_token: int | None = None  # kept in place of proposal.tokens[accepted_len - 1]
 
 
 @dataclass
@@ -101,6 +105,7 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
     policy = policy or FixedLength(config.num_draft_tokens)
     backoff = backoff or DraftBackoff()
     stopper = StopChecker(config.stop, decode)
+    num_alternatives = config.num_alternatives if params.greedy else 0
     committed = TokenHistory(prompt_ids)
     if drafter is not None and getattr(drafter, "needs_target_hidden", False):
         committed.target_hidden = HiddenStateLog()
@@ -120,7 +125,7 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             if asked > 0 and backoff.ready():
                 try:
                     proposal = drafter.propose(session_id, committed, asked, params,  # type: ignore[union-attr]
-                                               config.draft_confidence)
+                                               config.draft_confidence, num_alternatives)
                     backoff.succeeded()
                 except DraftUnavailable:
                     backoff.failed()
@@ -128,20 +133,21 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             elif asked > 0:
                 stats.degraded = True
             draft_tokens = proposal.tokens if proposal else []
-            verification = verifier.verify(session_id, committed, draft_tokens,
-                                           proposal.probs if proposal else None, params)
+            verification = verifier.verify(
+                session_id, committed, draft_tokens, proposal.probs if proposal else None,
+                params, proposal.alternatives if proposal else NO_ALTERNATIVES)
             if committed.target_hidden is not None and verification.hidden is not None:
                 committed.target_hidden.record(verification.hidden_position, verification.hidden)
-            emitted = draft_tokens[: verification.accepted_len] + [verification.next_token]
+            emitted = verification.emitted(draft_tokens)
+            accepted = verification.accepted_tokens
             position_before = len(committed)
             for cut, token in enumerate(emitted):
                 if token in config.eos_token_ids:
                     emitted, finish_reason = emitted[: cut + 1], "eos"
                     break
             committed.extend(emitted)
-            stats.record_round(len(draft_tokens), verification.accepted_len)
-            policy.observe(asked if proposal else 0, verification.accepted_len, proposal,
-                           verification)
+            stats.record_round(len(draft_tokens), accepted)
+            policy.observe(asked if proposal else 0, accepted, proposal, verification)
             if proposal:
                 stats.draft_s += proposal.elapsed_s
                 stats.draft_forward_s += proposal.forward_s
@@ -162,11 +168,11 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             if on_round is not None:
                 on_round(RoundEvent(
                     stats.rounds - 1, position_before, len(committed), asked, proposal,
-                    verification.accepted_len, emitted,
+                    accepted, emitted,
                     bool(draft_tokens) and verification.accepted_len == len(draft_tokens),
                     verification.elapsed_s, verification.forward_s,
                     verification.resyncs + (proposal.resyncs if proposal else 0),
-                    proposal is None and asked > 0))
+                    proposal is None and asked > 0, verification.alternative_token))
             if finish_reason != "length":
                 break
         output = committed.tokens[prompt_len:][: config.max_new_tokens]

@@ -15,9 +15,34 @@ from specdec.sampling import Purpose, SamplingParams, draw, uniforms
 
 
 @dataclass(frozen=True)
+class Alternatives:
+    """The draft's next-best tokens, verified beside its chain in the same forward (a
+    token tree one level deep; greedy only). tokens[i] is an alternative to the chain's
+    draft token number depths[i] (1-based): it follows the chain's first depths[i] - 1
+    tokens. The target's choice at the first rejected depth may be one of them."""
+
+    tokens: tuple[int, ...] = ()
+    depths: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.depths):
+            raise ValueError(f"{len(self.tokens)} alternative tokens but "
+                             f"{len(self.depths)} depths")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+NO_ALTERNATIVES = Alternatives()
+
+
+@dataclass(frozen=True)
 class Verdict:
-    accepted_len: int  # leading draft tokens kept
-    next_token: int  # correction at the first rejection, or the bonus when all were kept
+    accepted_len: int  # leading draft tokens of the chain kept
+    next_token: int  # correction at the first rejection, or the bonus after what was kept
+    # Index into the Alternatives of the one the target chose at the first rejected depth
+    # (it is kept after the chain's accepted_len tokens, then next_token); -1 = none.
+    alternative: int = -1
 
     def is_bonus(self, num_draft_tokens: int) -> bool:
         return self.accepted_len == num_draft_tokens
@@ -30,13 +55,26 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, diff / mass.clamp_min(torch.finfo(diff.dtype).tiny), p)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor) -> Verdict:
-    """Temperature 0: keep draft tokens while they equal the target's argmax."""
-    target_choice = target_probs.argmax(dim=-1)  # [k + 1]
+def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
+                  alternatives: Alternatives = NO_ALTERNATIVES) -> Verdict:
+    """Temperature 0: keep draft tokens while they equal the target's argmax.
+
+    target_probs: [k + 1 + len(alternatives)] rows, the chain's then one per alternative
+    (the target's scores of the token after it). Where the chain stops, an alternative
+    at that depth equal to the target's choice is kept, and its row gives the next token:
+    every kept token is still the target's argmax after the tokens before it.
+    """
+    target_choice = target_probs.argmax(dim=-1)
     k = draft_tokens.shape[0]
     matches = (draft_tokens == target_choice[:k]).to(torch.int64)
     accepted_len = int(matches.cumprod(dim=0).sum())
-    return Verdict(accepted_len, int(target_choice[accepted_len]))
+    choice = int(target_choice[accepted_len])
+    if accepted_len < k:
+        for index, (token, depth) in enumerate(zip(alternatives.tokens, alternatives.depths,
+                                                   strict=True)):
+            if depth == accepted_len + 1 and token == choice:
+                return Verdict(accepted_len, int(target_choice[k + 1 + index]), index)
+    return Verdict(accepted_len, choice)
 
 
 def verify_stochastic(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
@@ -64,13 +102,17 @@ def verify_stochastic(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
 
 
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-           target_probs: torch.Tensor, params: SamplingParams, first_position: int) -> Verdict:
-    """Dispatch on the request: greedy needs no q; sampling needs q for every draft token."""
+           target_probs: torch.Tensor, params: SamplingParams, first_position: int,
+           alternatives: Alternatives = NO_ALTERNATIVES) -> Verdict:
+    """Dispatch on the request: greedy needs no q; sampling needs q for every draft token.
+    Alternatives are greedy only: a sampled tree needs another acceptance rule."""
+    if alternatives and not params.greedy:
+        raise ValueError("alternatives are verified under greedy decoding only")
     if params.greedy or draft_tokens.numel() == 0:
         if draft_tokens.numel() == 0 and not params.greedy:
             token = draw(target_probs[:1], params, first_position, Purpose.EMIT)
             return Verdict(0, int(token[0]))
-        return verify_greedy(draft_tokens, target_probs)
+        return verify_greedy(draft_tokens, target_probs, alternatives)
     if draft_probs is None:
         raise ValueError("sampled verification needs the draft probabilities q")
     return verify_stochastic(draft_tokens, draft_probs, target_probs, params, first_position)

@@ -11,6 +11,7 @@ import inspect
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -128,16 +129,30 @@ class ModelRunner:
     # -- the one operation -----------------------------------------------------------------
     def extend(self, session_id: str, committed_position: int, fingerprint: int,
                tokens: list[int], num_logits: int = 1, *, hidden_rows: int = 0,
-               target_hidden: torch.Tensor | None = None) -> ExtendResult:
+               target_hidden: torch.Tensor | None = None,
+               branch_positions: Sequence[int] = ()) -> ExtendResult:
         """Roll the session back to committed_position, append tokens, run one forward.
 
         committed_position == 0 (re)starts the session. Raises CacheSyncError when the
         cache does not hold the named prefix, so the caller can re-sync from scratch.
         hidden_rows: also return the final-norm hidden states of the last hidden_rows
         tokens. target_hidden: [len(tokens), hidden], what a feature draft reads.
+        branch_positions: the last len(branch_positions) tokens are branches of a token
+        tree, not a continuation: branch j sits at absolute position branch_positions[j]
+        and sees the tokens before it plus itself (an alternative to the token the other
+        tokens hold there). Branches get logits like any row and leave the cache after
+        the forward; the session then holds the other tokens.
         """
         if not tokens:
             raise InvalidRequest("extend needs at least one new token")
+        chain_length = len(tokens) - len(branch_positions)
+        if chain_length < 1 or any(not committed_position < position
+                                   <= committed_position + chain_length
+                                   for position in branch_positions):
+            raise InvalidRequest(
+                f"branch positions {list(branch_positions)} must lie in "
+                f"({committed_position}, {committed_position + chain_length}] after at "
+                "least one token of the chain")
         if not 1 <= num_logits <= len(tokens):
             raise InvalidRequest(f"num_logits must be in [1, {len(tokens)}], got {num_logits}")
         if not 0 <= hidden_rows <= len(tokens):
@@ -170,9 +185,9 @@ class ModelRunner:
             session.history.truncate(committed_position)
             started = time.perf_counter()
             logits, hidden = self._forward(session, tokens, num_logits, hidden_rows,
-                                           target_hidden)
+                                           target_hidden, branch_positions)
             forward_s = time.perf_counter() - started
-            session.history.extend(tokens)
+            session.history.extend(tokens[:chain_length])
             return ExtendResult(logits[-num_logits:], len(session.history), forward_s,
                                 len(tokens), hidden)
 
@@ -232,11 +247,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, session: Session, tokens: list[int], num_logits: int, hidden_rows: int,
-                 target_hidden: torch.Tensor | None
+                 target_hidden: torch.Tensor | None, branch_positions: Sequence[int] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if session.cache is None:
             session.cache = DynamicCache(config=self.model.config)
         start = len(session.history)
+        chain_length = len(tokens) - len(branch_positions)
+        positions = list(range(start, start + chain_length)) + list(branch_positions)
         first_logit_row = len(tokens) - num_logits
         logits: list[torch.Tensor] = []
         states: list[torch.Tensor] = []
@@ -244,26 +261,49 @@ class ModelRunner:
             piece_logits = end - max(begin, first_logit_row)
             piece_hidden = target_hidden[begin:end] if target_hidden is not None else None
             piece_out, piece_states = self._forward_piece(
-                session.cache, tokens[begin:end], start + begin, max(1, piece_logits),
-                bool(hidden_rows), piece_hidden)
+                session.cache, tokens[begin:end], positions[begin:end], max(1, piece_logits),
+                bool(hidden_rows), piece_hidden, self._tree_mask(positions, start, begin, end,
+                                                                 chain_length))
             if piece_logits > 0:
                 logits.append(piece_out[-piece_logits:])
             if piece_states is not None:
                 states.append(piece_states)
+        if branch_positions:
+            session.cache.crop(-len(branch_positions))
         hidden = torch.cat(states)[-hidden_rows:].float() if hidden_rows else None
         return self.vocab.restrict(torch.cat(logits)).float(), hidden
 
-    def _forward_piece(self, cache: DynamicCache, tokens: list[int], start: int,
-                       num_logits: int, capture_states: bool, target_hidden: torch.Tensor | None
+    def _tree_mask(self, positions: list[int], start: int, begin: int, end: int,
+                   chain_length: int) -> torch.Tensor | None:
+        """The attention mask of tokens[begin:end] when branch rows are among them (None:
+        plain causal). Token i sits in cache slot start + i; a chain token sees every slot
+        up to its own, a branch at position p sees slots [0, p) and its own."""
+        if end <= chain_length:
+            return None
+        slots = start + end
+        mask = torch.zeros(1, 1, end - begin, slots, dtype=torch.bool, device=self.device)
+        for row, index in enumerate(range(begin, end)):
+            if index < chain_length:
+                mask[0, 0, row, : start + index + 1] = True
+            else:
+                mask[0, 0, row, : positions[index]] = True
+                mask[0, 0, row, start + index] = True
+        return mask
+
+    def _forward_piece(self, cache: DynamicCache, tokens: list[int], token_positions: list[int],
+                       num_logits: int, capture_states: bool, target_hidden: torch.Tensor | None,
+                       attention_mask: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         ids = self.vocab.to_model_inputs(ids)
-        positions = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
+        positions = torch.tensor([token_positions], dtype=torch.long, device=self.device)
         # Only the last num_logits rows go through the LM head (a prefill needs one row,
         # not one per prompt token: 49152 x 576 per row for SmolLM2).
         kwargs: dict[str, object] = {"logits_to_keep": num_logits} if self._logits_to_keep else {}
         if target_hidden is not None:
             kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         captured: list[torch.Tensor] = []
         hook = None
         if capture_states:

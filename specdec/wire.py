@@ -14,6 +14,7 @@ import torch
 
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import common_pb2
+from specdec.rejection import Alternatives
 from specdec.sampling import SamplingParams
 from specdec.steps import SyncPoint
 
@@ -66,6 +67,22 @@ def sync_from_proto(message: common_pb2.SyncPoint, vocab_size: int) -> SyncPoint
     check_token_ids(tokens, vocab_size, "sync.append_tokens")
     return SyncPoint(message.session_id, message.committed_position, message.fingerprint,
                      tokens)
+
+
+# -- alternatives -----------------------------------------------------------------------
+def alternatives_to_proto(alternatives: Alternatives) -> common_pb2.Alternatives:
+    return common_pb2.Alternatives(tokens=alternatives.tokens, depths=alternatives.depths)
+
+
+def alternatives_from_proto(message: common_pb2.Alternatives, vocab_size: int,
+                            field: str = "alternatives") -> Alternatives:
+    """Checked token ids and one depth per token (the depths' range is the verifier's)."""
+    tokens = list(message.tokens)
+    if len(message.depths) != len(tokens):
+        raise InvalidRequest(f"{field} has {len(tokens)} tokens but {len(message.depths)} "
+                             "depths: give one depth per token")
+    check_token_ids(tokens, vocab_size, f"{field}.tokens")
+    return Alternatives(tuple(tokens), tuple(message.depths))
 
 
 # -- q ----------------------------------------------------------------------------------

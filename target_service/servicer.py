@@ -6,6 +6,7 @@ import grpc
 import torch
 
 from specdec import wire
+from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
 from specdec.grpc_server import Service
 from specdec.grpc_status import rpc_errors
@@ -46,6 +47,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidRequest(f"draft_tokens holds {len(draft_tokens)} tokens, more than "
                                  f"{self.max_draft_tokens}")
         wire.check_token_ids(draft_tokens, vocab, "draft_tokens")
+        alternatives = wire.alternatives_from_proto(request.alternatives, vocab)
+        if len(alternatives) > MAX_QUERY_ROWS:
+            raise InvalidRequest(f"alternatives holds {len(alternatives)} tokens, more than "
+                                 f"{MAX_QUERY_ROWS}")
         probs = None
         if draft_tokens and not params.greedy:
             probs = wire.decode_probs(request.draft_probs, len(draft_tokens), vocab)
@@ -53,7 +58,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             if bool((drawn <= 0).any()):  # a token cannot come from a row that excludes it
                 raise InvalidRequest("draft_probs gives probability 0 to a draft token")
         out = self.sessions.call(sync.session_id, lambda: verify_step(
-            self.runner, sync, draft_tokens, probs, params, request.return_hidden_states))
+            self.runner, sync, draft_tokens, probs, params, request.return_hidden_states,
+            alternatives))
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=out.tokens_processed,
             kv_length=out.kv_length, committed_position=sync.committed_position,
@@ -62,6 +68,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         response = target_pb2.VerifyResponse(
             accepted_len=out.verdict.accepted_len, next_token=out.verdict.next_token,
             kv_length=out.kv_length, forward_seconds=out.forward_s)
+        if out.verdict.alternative >= 0:
+            response.kept_alternative = out.verdict.alternative
         if out.hidden is not None:
             response.hidden_states.CopyFrom(wire.encode_hidden(out.hidden))
         return response

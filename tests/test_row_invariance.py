@@ -129,6 +129,50 @@ def test_grouped_attention_control_is_not_row_invariant_in_bfloat16() -> None:
     assert not torch.equal(verified, decoded)
 
 
+def _branches_vs_decode(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of token-tree branches verified beside a 4-token chain (branches after 1,
+    2 and 4 chain tokens), and of the same tokens decoded alone after that prefix."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 49152, (40,), generator=generator).tolist()
+    chain = torch.randint(0, 49152, (4,), generator=generator).tolist()
+    branches = torch.randint(0, 49152, (5,), generator=generator).tolist()
+    after = [1, 1, 2, 4, 4]  # chain tokens before each branch
+    runner.extend("tree", 0, 0, prompt)
+    history = runner._sessions["tree"].history
+    tree = runner.extend("tree", len(prompt), history.fingerprint(len(prompt)),
+                         chain + branches, num_logits=len(branches),
+                         branch_positions=[len(prompt) + n for n in after])
+    assert runner._sessions["tree"].history.tokens == prompt + chain  # branches left
+    runner.extend("decode", 0, 0, prompt)  # the same prefill, then one token per forward
+    history = runner._sessions["decode"].history
+    for token in chain:
+        runner.extend("decode", len(history), history.fingerprint(), [token])
+    decoded: dict[int, torch.Tensor] = {}
+    # Latest branch first: each decode rolls back to its prefix, which the later ones keep.
+    for index in sorted(range(len(branches)), key=lambda i: -after[i]):
+        position = len(prompt) + after[index]
+        decoded[index] = runner.extend("decode", position, history.fingerprint(position),
+                                       [branches[index]]).logits
+    return tree.logits, torch.cat([decoded[i] for i in range(len(branches))])
+
+
+@pytest.mark.slow
+def test_token_tree_branches_equal_decoded_rows_bit_for_bit(
+        target_bf16: models.LoadedModel) -> None:
+    branches, decoded = _branches_vs_decode(ModelRunner(target_bf16.model))
+    assert torch.equal(branches, decoded)
+
+
+@pytest.mark.parametrize("kernel", ["grouped", "sdpa"])
+def test_token_tree_branches_match_decoded_rows_with_the_other_kernels(kernel: str) -> None:
+    """float32 kernels take the tree as a 4D mask: equal up to float32 rounding."""
+    torch.set_num_threads(2)
+    target = models.load_causal_lm(models.DEFAULT_TARGET, CPU, torch.float32, progress=False,
+                                   attention_kernel=kernel)
+    branches, decoded = _branches_vs_decode(ModelRunner(target.model))
+    torch.testing.assert_close(branches, decoded, rtol=1e-4, atol=1e-4)
+
+
 def test_long_extend_runs_the_prompt_as_one_prefill_and_the_draft_in_decode_forwards() -> None:
     runner = types.SimpleNamespace(_row_invariant=True)
     pieces = ModelRunner._pieces

@@ -18,7 +18,7 @@ from tiny_models import tiny_llama
 
 from coordinator.servicer import CoordinatorSettings
 from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
+from specdec.loop import GenerateConfig, RoundEvent, generate
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
@@ -141,6 +141,30 @@ def test_draft_confidence_over_the_wire_equals_the_in_process_loop(services, mod
     assert response.stats.draft_tokens < 6 * response.stats.num_drafts  # the gate acted
     if not sampling:
         assert list(response.token_ids) == target_only(target, PROMPT, 30)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_alternatives_over_the_wire_equal_the_in_process_loop(services, models,
+                                                              adaptive: bool) -> None:
+    """Alternatives travel Propose -> coordinator -> Verify; kept ones are the same as in
+    process, and the text is the target's own."""
+    target, draft = models
+    prompt = [4, 4, 4, 4, 4, 4, 2]  # with these tiny models, one where alternatives are kept
+    message = request(prompt, max_new_tokens=40, k=3)
+    message.speculation.num_alternatives = 6
+    message.speculation.adaptive = adaptive
+    response = services.stub.Generate(message, timeout=30)
+    assert list(response.token_ids) == target_only(target, prompt, 40)
+    if adaptive:
+        return
+    events: list[RoundEvent] = []
+    local = generate(LocalDrafter(ModelRunner(draft, target_vocab_size=VOCAB)),
+                     LocalVerifier(ModelRunner(target)), prompt,
+                     GenerateConfig(max_new_tokens=40, num_draft_tokens=3, num_alternatives=6),
+                     on_round=events.append)
+    assert list(response.token_ids) == local.token_ids
+    assert response.stats.accepted_tokens == local.stats.accepted_tokens
+    assert any(event.alternative_token is not None for event in events)
 
 
 def test_greedy_with_a_perfect_draft_accepts_everything(models) -> None:

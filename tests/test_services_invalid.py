@@ -42,7 +42,7 @@ def generate_request(**fields: object) -> coordinator_pb2.GenerateRequest:
     for name, value in fields.items():
         if name.startswith("sampling_"):
             setattr(message.sampling, name.removeprefix("sampling_"), value)
-        elif name in ("num_draft_tokens", "draft_confidence"):
+        elif name in ("num_draft_tokens", "draft_confidence", "num_alternatives"):
             setattr(message.speculation, name, value)
         elif name in ("prompt_token_ids", "stop"):
             field = getattr(message, name)
@@ -78,6 +78,11 @@ INVALID = {
     "draft_confidence > 1": (dict(draft_confidence=1.5), "speculation.draft_confidence"),
     "draft_confidence < 0": (dict(draft_confidence=-0.1), "speculation.draft_confidence"),
     "draft_confidence NaN": (dict(draft_confidence=math.nan), "speculation.draft_confidence"),
+    "num_alternatives < 0": (dict(num_alternatives=-1), "speculation.num_alternatives"),
+    "num_alternatives too large": (dict(num_alternatives=1000),
+                                   "speculation.num_alternatives"),
+    "num_alternatives when sampling": (dict(num_alternatives=2, sampling_temperature=1.0,
+                                            sampling_seed=1), "greedy requests only"),
     "chat with token ids": (dict(chat=True), "chat"),
     "text without a tokenizer": (dict(prompt_token_ids=[], prompt="hi"), "prompt"),
     "stop without a tokenizer": (dict(stop=["x"]), "stop"),
@@ -144,6 +149,11 @@ def propose_cases() -> dict[str, tuple[draft_pb2.ProposeRequest, str]]:
         "temperature NaN": (draft_pb2.ProposeRequest(
             sync=sync([1, 2]), num_tokens=2,
             sampling=common_pb2.SamplingParams(temperature=math.nan)), "temperature"),
+        "num_alternatives huge": (draft_pb2.ProposeRequest(
+            sync=sync([1, 2]), num_tokens=2, num_alternatives=1000), "num_alternatives"),
+        "alternatives when sampling": (draft_pb2.ProposeRequest(
+            sync=sync([1, 2]), num_tokens=2, sampling=sampled(), num_alternatives=2),
+            "greedy decoding only"),
     }
 
 
@@ -184,7 +194,26 @@ def verify_cases() -> dict[str, tuple[target_pb2.VerifyRequest, str]]:
         "draft token out of vocab": (verify(dense(uniform(2)), tokens=[3, VOCAB + 5]),
                                      "draft_tokens[1]"),
         "too many draft tokens": (verify(None, tokens=[3] * 1000), "draft_tokens"),
+        "alternatives when sampling": (verify(dense(uniform(2)), alternatives=alternatives(
+            [5], [1])), "greedy decoding only"),
+        "alternatives without depths": (greedy_verify(alternatives([5, 6], [1])), "depths"),
+        "alternative depth 0": (greedy_verify(alternatives([5], [0])), "alternative depths"),
+        "alternative past the draft": (greedy_verify(alternatives([5], [3])),
+                                       "alternative depths"),
+        "alternative out of vocab": (greedy_verify(alternatives([5, VOCAB], [1, 2])),
+                                     "alternatives.tokens[1]"),
+        "too many alternatives": (greedy_verify(alternatives([5] * 17, [1] * 17)),
+                                  "alternatives"),
     }
+
+
+def alternatives(tokens: list[int], depths: list[int]) -> common_pb2.Alternatives:
+    return common_pb2.Alternatives(tokens=tokens, depths=depths)
+
+
+def greedy_verify(alternatives: common_pb2.Alternatives) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(sync=sync([1, 2], session="v"), draft_tokens=[3, 4],
+                                    alternatives=alternatives)
 
 
 @pytest.mark.parametrize("case", sorted(verify_cases()))

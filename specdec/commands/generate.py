@@ -26,6 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--draft-confidence", type=float, default=None,
                         help="end a round's draft after a token the draft gives less than "
                         "this probability, 0 = off (default: server's, for --adaptive)")
+    parser.add_argument("--draft-alternatives", type=int, default=None,
+                        help="greedy: also verify this many of the draft's next-best tokens "
+                        "each round, 0 = off (default: server's)")
     parser.add_argument("--chat", action="store_true", help="apply the chat template")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -38,7 +41,8 @@ def build_request(prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                   seed: int | None = None, num_draft_tokens: int | None = None,
                   adaptive: bool = False, chat: bool = False,
-                  stop: list[str] | None = None, draft_confidence: float | None = None) -> Any:
+                  stop: list[str] | None = None, draft_confidence: float | None = None,
+                  num_alternatives: int | None = None) -> Any:
     from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2
 
     request = coordinator_pb2.GenerateRequest(
@@ -47,11 +51,14 @@ def build_request(prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
                                            top_p=top_p, min_p=min_p))
     if seed is not None:
         request.sampling.seed = seed
-    if num_draft_tokens is not None or adaptive or draft_confidence is not None:
+    if num_draft_tokens is not None or adaptive or draft_confidence is not None \
+            or num_alternatives is not None:
         request.speculation.num_draft_tokens = 4 if num_draft_tokens is None else num_draft_tokens
         request.speculation.adaptive = adaptive
     if draft_confidence is not None:
         request.speculation.draft_confidence = draft_confidence
+    if num_alternatives is not None:
+        request.speculation.num_alternatives = num_alternatives
     return request
 
 
@@ -123,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive, chat=args.chat,
-        stop=args.stop, draft_confidence=args.draft_confidence)
+        stop=args.stop, draft_confidence=args.draft_confidence,
+        num_alternatives=args.draft_alternatives)
     console = Console()
     echo = None if args.json else (lambda text: print(text, end="", flush=True))
     try:

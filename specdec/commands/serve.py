@@ -7,6 +7,7 @@ import importlib
 
 from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE
 from specdec.config import add_model_settings, add_setting
+from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.settings import add_telemetry_settings
 
 ROLES = ("coordinator", "draft", "target")
@@ -27,6 +28,9 @@ def add_service_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--draft-confidence", DEFAULT_DRAFT_CONFIDENCE,
                 "adaptive requests end a round's draft after a token the draft gives less "
                 "than this probability (0 = off; a request may set its own)", type=float)
+    add_setting(parser, "--draft-alternatives", DEFAULT_ALTERNATIVES,
+                "greedy requests also verify this many of the draft's next-best tokens "
+                "beside its chain each round (0 = off; a request may set its own)", type=int)
     add_setting(parser, "--max-new-tokens-limit", 2048,
                 "largest max_new_tokens a request may ask for", type=int)
     add_setting(parser, "--draft-timeout-ms", 5000.0,

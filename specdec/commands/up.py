@@ -14,7 +14,8 @@ from specdec.stack import Stack, start_stack
 # Flags of `up` that are forwarded unchanged to each `specdec serve`.
 FORWARDED = ("target_model", "draft_model", "device", "dtype", "torch_threads",
              "linear_kernel", "attention_kernel", "kv_budget_mb", "session_ttl_s", "max_workers",
-             "max_draft_tokens", "num_draft_tokens", "draft_confidence", "max_new_tokens_limit",
+             "max_draft_tokens", "num_draft_tokens", "draft_confidence", "draft_alternatives",
+             "max_new_tokens_limit",
              "draft_timeout_ms", "target_timeout_s", "grace_s")
 
 

@@ -24,6 +24,7 @@ from opentelemetry.util.types import AttributeValue
 from specdec.history import TokenHistory
 from specdec.interfaces import Drafter, Proposal, Verification, Verifier
 from specdec.loop import GenerateConfig, GenerationResult, RoundEvent
+from specdec.rejection import NO_ALTERNATIVES, Alternatives
 from specdec.sampling import SamplingParams
 from specdec.telemetry import names as n
 
@@ -56,6 +57,8 @@ def round_attributes(event: RoundEvent, record_tokens: bool) -> dict[str, Attrib
         n.ASKED: event.asked,
         n.PROPOSED: len(proposal.tokens) if proposal else 0,
         n.ACCEPTED: event.accepted_len,
+        n.ALTERNATIVES: len(proposal.alternatives) if proposal else 0,
+        n.ALTERNATIVE_KEPT: event.alternative_token is not None,
         n.EMITTED: len(event.emitted),
         n.NEXT_TOKEN_KIND: next_token_kind(event),
         n.RESYNCS: event.resyncs,
@@ -75,16 +78,18 @@ def rejection_attributes(event: RoundEvent,
                          record_tokens: bool) -> dict[str, AttributeValue] | None:
     """The rejection in this round, if a draft token was rejected."""
     proposal = event.proposal
-    if proposal is None or event.accepted_len >= len(proposal.tokens):
+    # A kept alternative stands in for the rejected chain token: it is the correction.
+    chain_accepted = event.accepted_len - (event.alternative_token is not None)
+    if proposal is None or chain_accepted >= len(proposal.tokens):
         return None
     attributes: dict[str, AttributeValue] = {
-        n.REJECT_POSITION: event.position_before + event.accepted_len,
-        n.REJECT_DRAFT_INDEX: event.accepted_len,
+        n.REJECT_POSITION: event.position_before + chain_accepted,
+        n.REJECT_DRAFT_INDEX: chain_accepted,
     }
     if record_tokens:
-        attributes[n.REJECTED_TOKEN] = proposal.tokens[event.accepted_len]
-        if len(event.emitted) > event.accepted_len:  # a stop string may have cut it off
-            attributes[n.CORRECTION_TOKEN] = event.emitted[event.accepted_len]
+        attributes[n.REJECTED_TOKEN] = proposal.tokens[chain_accepted]
+        if len(event.emitted) > chain_accepted:  # a stop string may have cut it off
+            attributes[n.CORRECTION_TOKEN] = event.emitted[chain_accepted]
     return attributes
 
 
@@ -233,11 +238,12 @@ class _TracedDrafter:
         return self.inner.needs_target_hidden
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
+                params: SamplingParams, min_confidence: float = 0.0,
+                num_alternatives: int = 0) -> Proposal:
         self.owner.begin_round()
         with self.owner.step_span(n.PROPOSE_STEP_SPAN) as span:
             proposal = self.inner.propose(session_id, committed, num_tokens, params,
-                                          min_confidence)
+                                          min_confidence, num_alternatives)
             if span is not None:
                 span.set_attributes({n.FORWARD_MS: _ms(proposal.forward_s),
                                      n.PROPOSED: len(proposal.tokens),
@@ -253,11 +259,12 @@ class _TracedVerifier:
         self.inner, self.owner = inner, owner
 
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
-               draft_probs: torch.Tensor | None, params: SamplingParams) -> Verification:
+               draft_probs: torch.Tensor | None, params: SamplingParams,
+               alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
         self.owner.begin_round()
         with self.owner.step_span(n.VERIFY_STEP_SPAN) as span:
             verification = self.inner.verify(session_id, committed, draft_tokens, draft_probs,
-                                             params)
+                                             params, alternatives)
             if span is not None:
                 span.set_attributes({n.FORWARD_MS: _ms(verification.forward_s),
                                      n.ACCEPTED: verification.accepted_len,

@@ -221,3 +221,32 @@ class HiddenStates(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HiddenStates: _TypeAlias = HiddenStates  # noqa: Y015
+
+@_typing.final
+class Alternatives(_message.Message):
+    """The draft's next-best tokens, verified beside its chain in the same forward (a token
+    tree one level deep; greedy requests only). tokens[i] is an alternative to draft token
+    number depths[i] (1-based): it follows the first depths[i] - 1 draft tokens.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    DEPTHS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def depths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+        depths: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["depths", b"depths", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Alternatives: _TypeAlias = Alternatives  # noqa: Y015

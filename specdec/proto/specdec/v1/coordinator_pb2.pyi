@@ -79,6 +79,7 @@ class SpeculationParams(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     ADAPTIVE_FIELD_NUMBER: _builtins.int
     DRAFT_CONFIDENCE_FIELD_NUMBER: _builtins.int
+    NUM_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     num_draft_tokens: _builtins.int
     """Tokens drafted per round; 0 = target only."""
     adaptive: _builtins.bool
@@ -88,20 +89,30 @@ class SpeculationParams(_message.Message):
     (output unchanged, exactness kept). In [0, 1]; 0 = off. Absent = the coordinator's
     SPECDEC_DRAFT_CONFIDENCE for adaptive requests, 0 for fixed-length ones.
     """
+    num_alternatives: _builtins.int
+    """Greedy requests: the draft's next-best tokens verified beside its chain each round
+    (output unchanged). Absent = the coordinator's SPECDEC_DRAFT_ALTERNATIVES; 0 = off.
+    """
     def __init__(
         self,
         *,
         num_draft_tokens: _builtins.int = ...,
         adaptive: _builtins.bool = ...,
         draft_confidence: _builtins.float | None = ...,
+        num_alternatives: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "draft_confidence", b"draft_confidence"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_draft_tokens", b"num_draft_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__draft_confidence: _TypeAlias = _typing.Literal["draft_confidence"]  # noqa: Y015
     _WhichOneofArgType__draft_confidence: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence"]  # noqa: Y015
+    _WhichOneofReturnType__num_alternatives: _TypeAlias = _typing.Literal["num_alternatives"]  # noqa: Y015
+    _WhichOneofArgType__num_alternatives: _TypeAlias = _typing.Literal["_num_alternatives", b"_num_alternatives"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__draft_confidence) -> _WhichOneofReturnType__draft_confidence | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_alternatives) -> _WhichOneofReturnType__num_alternatives | None: ...
 
 Global___SpeculationParams: _TypeAlias = SpeculationParams  # noqa: Y015
 

@@ -28,11 +28,16 @@ class ProposeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     MIN_CONFIDENCE_FIELD_NUMBER: _builtins.int
     TARGET_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
+    NUM_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
     """The most tokens to propose."""
     min_confidence: _builtins.float
     """Stop after a token the draft gives less than this probability, so the response may
     hold fewer than num_tokens tokens (at least one). 0 = always num_tokens. In [0, 1].
+    """
+    num_alternatives: _builtins.int
+    """Greedy only: also propose up to this many alternatives, those the draft deems most
+    likely to be kept. 0 = none.
     """
     @_builtins.property
     def sync(self) -> _common_pb2.SyncPoint: ...
@@ -53,10 +58,11 @@ class ProposeRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         min_confidence: _builtins.float = ...,
         target_hidden_states: _common_pb2.HiddenStates | None = ...,
+        num_alternatives: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "sync", b"sync", "target_hidden_states", b"target_hidden_states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_confidence", b"min_confidence", "num_tokens", b"num_tokens", "sampling", b"sampling", "sync", b"sync", "target_hidden_states", b"target_hidden_states"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_confidence", b"min_confidence", "num_alternatives", b"num_alternatives", "num_tokens", b"num_tokens", "sampling", b"sampling", "sync", b"sync", "target_hidden_states", b"target_hidden_states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -70,6 +76,7 @@ class ProposeResponse(_message.Message):
     PROBS_FIELD_NUMBER: _builtins.int
     KV_LENGTH_FIELD_NUMBER: _builtins.int
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
+    ALTERNATIVES_FIELD_NUMBER: _builtins.int
     kv_length: _builtins.int
     """Tokens the session's cache holds after the call."""
     forward_seconds: _builtins.float
@@ -82,6 +89,10 @@ class ProposeResponse(_message.Message):
     def probs(self) -> _common_pb2.DraftProbs:
         """q for each token; absent for greedy requests."""
 
+    @_builtins.property
+    def alternatives(self) -> _common_pb2.Alternatives:
+        """With num_alternatives: the alternatives to send to Verify with the tokens."""
+
     def __init__(
         self,
         *,
@@ -89,10 +100,11 @@ class ProposeResponse(_message.Message):
         probs: _common_pb2.DraftProbs | None = ...,
         kv_length: _builtins.int = ...,
         forward_seconds: _builtins.float = ...,
+        alternatives: _common_pb2.Alternatives | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["probs", b"probs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "probs", b"probs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["forward_seconds", b"forward_seconds", "kv_length", b"kv_length", "probs", b"probs", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "forward_seconds", b"forward_seconds", "kv_length", b"kv_length", "probs", b"probs", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,6 +28,7 @@ class VerifyRequest(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
+    ALTERNATIVES_FIELD_NUMBER: _builtins.int
     return_hidden_states: _builtins.bool
     """Also return the hidden states of the tokens this call commits (for a feature draft)."""
     @_builtins.property
@@ -42,6 +43,12 @@ class VerifyRequest(_message.Message):
 
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def alternatives(self) -> _common_pb2.Alternatives:
+        """Greedy only: the draft's alternatives, verified beside the draft tokens; they do not
+        stay in the session's cache.
+        """
+
     def __init__(
         self,
         *,
@@ -50,10 +57,11 @@ class VerifyRequest(_message.Message):
         draft_probs: _common_pb2.DraftProbs | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         return_hidden_states: _builtins.bool = ...,
+        alternatives: _common_pb2.Alternatives | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "draft_probs", b"draft_probs", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_probs", b"draft_probs", "draft_tokens", b"draft_tokens", "return_hidden_states", b"return_hidden_states", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "draft_probs", b"draft_probs", "draft_tokens", b"draft_tokens", "return_hidden_states", b"return_hidden_states", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -68,16 +76,21 @@ class VerifyResponse(_message.Message):
     KV_LENGTH_FIELD_NUMBER: _builtins.int
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
     HIDDEN_STATES_FIELD_NUMBER: _builtins.int
+    KEPT_ALTERNATIVE_FIELD_NUMBER: _builtins.int
     accepted_len: _builtins.int
     """Leading draft tokens kept."""
     next_token: _builtins.int
-    """The correction at the first rejection, or the bonus token when all were kept."""
+    """The correction at the first rejection, or the bonus token after what was kept."""
     kv_length: _builtins.int
     forward_seconds: _builtins.float
+    kept_alternative: _builtins.int
+    """Index into the request's alternatives of the one kept after the accepted_len draft
+    tokens (and before next_token); absent when none was.
+    """
     @_builtins.property
     def hidden_states(self) -> _common_pb2.HiddenStates:
-        """With return_hidden_states: one row per sync.append_tokens token and per accepted
-        draft token, from position sync.committed_position on.
+        """With return_hidden_states: one row per sync.append_tokens token, per accepted draft
+        token and for a kept alternative, from position sync.committed_position on.
         """
 
     def __init__(
@@ -88,12 +101,15 @@ class VerifyResponse(_message.Message):
         kv_length: _builtins.int = ...,
         forward_seconds: _builtins.float = ...,
         hidden_states: _common_pb2.HiddenStates | None = ...,
+        kept_alternative: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["hidden_states", b"hidden_states"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative", "hidden_states", b"hidden_states", "kept_alternative", b"kept_alternative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_len", b"accepted_len", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative", "accepted_len", b"accepted_len", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kept_alternative", b"kept_alternative", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__kept_alternative: _TypeAlias = _typing.Literal["kept_alternative"]  # noqa: Y015
+    _WhichOneofArgType__kept_alternative: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kept_alternative) -> _WhichOneofReturnType__kept_alternative | None: ...
 
 Global___VerifyResponse: _TypeAlias = VerifyResponse  # noqa: Y015
 
