@@ -82,8 +82,8 @@ def run_loop(drafter, verifier, prompt_ids: list[int], params: SamplingParams, k
         def __init__(self, inner) -> None:
             self.inner = inner
 
-        def verify(self, session_id, committed, tokens, probs, params_):
-            result = self.inner.verify(session_id, committed, tokens, probs, params_)
+        def verify(self, *args):
+            result = self.inner.verify(*args)
             wire_before.append(result.wire_bytes)
             return result
 
@@ -94,9 +94,8 @@ def run_loop(drafter, verifier, prompt_ids: list[int], params: SamplingParams, k
         def __init__(self, inner) -> None:
             self.inner = inner
 
-        def propose(self, session_id, committed, num_tokens, params_, min_confidence=0.0):
-            proposal = self.inner.propose(session_id, committed, num_tokens, params_,
-                                          min_confidence)
+        def propose(self, *args):
+            proposal = self.inner.propose(*args)
             wire_before.append(proposal.wire_bytes)
             return proposal
 

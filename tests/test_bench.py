@@ -14,7 +14,7 @@ import torch
 from service_harness import Services
 from tiny_models import tiny_feature_draft, tiny_llama
 
-from specdec.bench.configs import build_configs
+from specdec.bench.configs import MODES, build_configs
 from specdec.bench.costs import (
     CostCurve,
     alpha_from_tokens_per_round,
@@ -26,6 +26,7 @@ from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
 from specdec.commands.bench import add_parser, settings_from_args, write_outputs
 from specdec.draft_training.prompts import generate_prompts
 from specdec.draft_training.wide_prompts import generate_wide_prompts
+from specdec.steps import DEFAULT_ALTERNATIVES
 
 
 def _normal(text: str) -> str:
@@ -80,7 +81,7 @@ def test_quick_flag_settings() -> None:
     args = parser.parse_args(["bench", "--quick", "--repeats", "3"])
     settings = settings_from_args(args)
     assert settings.modes == ("greedy",) and settings.per_category == 1
-    assert settings.lengths == ("2", "4", "adaptive") and settings.repeats == 3
+    assert settings.lengths == ("2", "4", "adaptive", "adaptive+a0") and settings.repeats == 3
 
 
 @pytest.fixture()
@@ -98,7 +99,8 @@ def tiny_pair(tmp_path: Path) -> BenchModels:
 def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_path: Path) -> None:
     torch.set_num_threads(1)
     settings = BenchSettings(
-        modes=("greedy", "t1"), lengths=("1", "3", "adaptive", "heuristic"), per_category=2,
+        modes=("greedy", "t1"), lengths=("1", "3", "adaptive", "heuristic", "3+a0"),
+        per_category=2,
         sampled_lengths=("3", "adaptive"), sampled_per_category=1, repeats=2, max_new_tokens=10,
         max_length=4, calibration_repeats=1, warmup_tokens=8, progress=False,
         compare_dtypes=("float32",))
@@ -118,8 +120,8 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
     data = json.loads(paths["json"].read_text())
     expected = {"target-only", "hf-generate", "hf-assisted", "specdec-local k=1",
                 "specdec-local k=3", "specdec-local k=adaptive", "specdec-local k=heuristic",
-                "specdec-grpc k=0", "specdec-grpc k=1", "specdec-grpc k=3",
-                "specdec-grpc k=adaptive"}
+                "specdec-local k=3+a0", "specdec-grpc k=0", "specdec-grpc k=1",
+                "specdec-grpc k=3", "specdec-grpc k=adaptive", "specdec-grpc k=3+a0"}
     assert set(data["meta"]["configs"]) == expected
     assert set(data["summary"]) == {"greedy", "t1"}
     # greedy: every config on 8 prompts; t1: target-only, 2 HF, 2 local, 3 gRPC on 4 prompts
@@ -156,6 +158,25 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
     plots = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     assert plots == ["breakdown-greedy.png", "breakdown-t1.png", "speedup-greedy.png",
                      "speedup-t1.png"]
+
+
+def test_alternatives_suffix_sets_the_alternatives_and_keeps_the_length() -> None:
+    from specdec.bench.systems import alternatives, grpc_request
+
+    configs = {c.name: c for c in build_configs(("specdec-local",),
+                                                ("2", "2+a0", "adaptive@0.6+a3"))}
+    plain, chain, gated = (configs[f"specdec-local k={n}"] for n in
+                           ("2", "2+a0", "adaptive@0.6+a3"))
+    assert plain.alternatives is None and alternatives(plain) == DEFAULT_ALTERNATIVES
+    assert (chain.fixed_length, chain.alternatives, alternatives(chain)) == (2, 0, 0)
+    assert (gated.policy, gated.gate, gated.alternatives) == ("adaptive", 0.6, 3)
+    request = grpc_request(chain, MODES["greedy"], [1, 2], 8, seed=1)
+    assert request.speculation.HasField("num_alternatives")
+    assert request.speculation.num_alternatives == 0
+    assert not grpc_request(plain, MODES["greedy"], [1, 2], 8, 1).speculation.HasField(
+        "num_alternatives")  # as served
+    with pytest.raises(ValueError, match="alternatives"):
+        build_configs(("specdec-local",), ("2+ax",))
 
 
 def test_gate_suffix_sets_the_confidence_gate() -> None:

@@ -47,8 +47,10 @@ class RawLogitsDrafter(LocalDrafter):
     """The bug from public implementations: q reported from raw logits, not processed ones."""
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
-                params: SamplingParams, min_confidence: float = 0.0) -> Proposal:
-        proposal = super().propose(session_id, committed, num_tokens, params, min_confidence)
+                params: SamplingParams, min_confidence: float = 0.0,
+                num_alternatives: int = 0) -> Proposal:
+        proposal = super().propose(session_id, committed, num_tokens, params, min_confidence,
+                                   num_alternatives)
         ids = torch.tensor([committed.tokens + proposal.tokens])
         with torch.inference_mode():
             logits = self.runner.model(input_ids=ids).logits[0]

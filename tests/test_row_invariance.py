@@ -19,7 +19,7 @@ from specdec import models
 from specdec.attention import MAX_QUERY_ROWS, resolve_attention
 from specdec.kernels import ONEDNN_MIN_ROWS, OneDnnLinear, resolve_kernel
 from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
+from specdec.loop import GenerateConfig, RoundEvent, generate
 from specdec.runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -199,6 +199,7 @@ def test_bfloat16_greedy_speculation_equals_target_only_decoding(
         return_dict=True)["input_ids"]) for text in
         ("Name three uses of copper.", "Explain what a hash map is.")]
     prompts.append(tokenizer("The history of the printing press")["input_ids"])  # < 16 rows
+    kept_alternatives = 0
     for prompt in prompts:
         target_only = generate(None, LocalVerifier(ModelRunner(target_bf16.model)), prompt,
                                GenerateConfig(max_new_tokens=40, num_draft_tokens=0,
@@ -208,12 +209,19 @@ def test_bfloat16_greedy_speculation_equals_target_only_decoding(
                                                    do_sample=False)
         hf_tokens = generated[0, len(prompt):].tolist()
         assert target_only.token_ids == hf_tokens[: len(target_only.token_ids)]
-        for draft_length in (2, 8):
+        # (2, 0): the chain alone; the others with alternatives beside it (the default 2,
+        # and 13 alternatives beside 1 token: a full 16-row forward of branches).
+        for draft_length, alternatives in ((2, 0), (8, 0), (2, 2), (1, 13)):
             drafter = LocalDrafter(ModelRunner(draft.model, target_vocab_size=49152,
                                                token_map=draft.token_map))
+            events: list[RoundEvent] = []
             speculative = generate(drafter, LocalVerifier(ModelRunner(target_bf16.model)),
                                    prompt, GenerateConfig(max_new_tokens=40,
                                                           num_draft_tokens=draft_length,
-                                                          eos_token_ids=eos))
+                                                          eos_token_ids=eos,
+                                                          num_alternatives=alternatives),
+                                   on_round=events.append)
             assert speculative.token_ids == target_only.token_ids, (prompt, draft_length)
             assert speculative.stats.accepted_tokens > 0
+            kept_alternatives += sum(event.alternative_token is not None for event in events)
+    assert kept_alternatives > 0  # the alternatives' path ran

@@ -21,11 +21,13 @@ SPECULATIVE = (LOCAL, GRPC)  # the systems whose bound the cost curves describe
 DRAFTED = (*SPECULATIVE, LOCAL_TOKEN_DRAFT)
 # Target-only through the same three services: the same-shape baseline of the gRPC runs.
 GRPC_TARGET_ONLY = f"{GRPC} k=0"
-LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident")
+LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident", "adaptive+a0")
 # Besides fixed integers: "adaptive" as served (length per round + the confidence gate),
 # "heuristic" (transformers' +2/-1, in-process only) and "confident" (the longest length
 # every round, ended by the confidence gate alone: transformers' assisted generation's
-# scheme, in specdec).
+# scheme, in specdec). A "+aN" suffix sets the alternatives per greedy round (default: as
+# served, SPECDEC_DRAFT_ALTERNATIVES); "adaptive+a0" is adaptive with the chain alone.
+ALTERNATIVES_SUFFIX = "+a"
 POLICIES = ("adaptive", "heuristic", "confident")
 GATED = ("adaptive", "confident")  # the policies the confidence gate applies to
 
@@ -57,18 +59,29 @@ class BenchConfig:
         return self.system if self.length == "-" else f"{self.system} k={self.length}"
 
     @property
+    def draft_length(self) -> str:
+        """The length without an alternatives suffix: "2+a0" -> "2"."""
+        return self.length.partition(ALTERNATIVES_SUFFIX)[0]
+
+    @property
+    def alternatives(self) -> int | None:
+        """Alternatives per greedy round a "+aN" suffix sets (None: as served)."""
+        _, plus, count = self.length.partition(ALTERNATIVES_SUFFIX)
+        return int(count) if plus else None
+
+    @property
     def fixed_length(self) -> int | None:
-        return int(self.length) if self.length.isdigit() else None
+        return int(self.draft_length) if self.draft_length.isdigit() else None
 
     @property
     def policy(self) -> str:
         """The length without a gate suffix: "adaptive@0.6" -> "adaptive"."""
-        return self.length.partition("@")[0]
+        return self.draft_length.partition("@")[0]
 
     @property
     def gate(self) -> float | None:
         """The confidence gate a "POLICY@VALUE" length sets (None: the default)."""
-        _, at, value = self.length.partition("@")
+        _, at, value = self.draft_length.partition("@")
         return float(value) if at else None
 
 
@@ -83,7 +96,11 @@ def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[Be
     for system in systems:
         if system not in KNOWN_SYSTEMS:
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(KNOWN_SYSTEMS)}")
-    for length in lengths:
+    for full_length in lengths:
+        length, plus, count = full_length.partition(ALTERNATIVES_SUFFIX)
+        if plus and not count.isdigit():
+            raise ValueError(f"draft length {full_length!r}: +aN takes a count N >= 0 of "
+                             "alternatives")
         policy, at, gate = length.partition("@")
         if at and (policy not in GATED or not _is_fraction(gate)):
             raise ValueError(f"draft length {length!r}: only adaptive@G and confident@G take "

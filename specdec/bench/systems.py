@@ -10,6 +10,7 @@ from specdec.bench.configs import GATED, TARGET_ONLY, BenchConfig, RunRecord, Sa
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, GenerationResult, generate
 from specdec.policy import FixedLength, LengthPolicy
+from specdec.steps import DEFAULT_ALTERNATIVES
 
 ADAPTIVE_START = 4  # the first round's length when nothing is known yet (the server default)
 
@@ -33,6 +34,11 @@ def draft_confidence(config: BenchConfig) -> float:
     return DEFAULT_DRAFT_CONFIDENCE if config.policy in GATED else 0.0
 
 
+def alternatives(config: BenchConfig) -> int:
+    """Alternatives per greedy round: the configuration's, else the served default."""
+    return DEFAULT_ALTERNATIVES if config.alternatives is None else config.alternatives
+
+
 def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
             result: GenerationResult, seconds: float, chosen: list[int]) -> RunRecord:
     stats = result.stats
@@ -54,7 +60,8 @@ def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
     policy = local_policy(config, costs, params.greedy, max_length) if speculative else None
     gen_config = GenerateConfig(max_new_tokens=max_new_tokens, sampling=params,
                                 num_draft_tokens=0, eos_token_ids=eos,
-                                draft_confidence=draft_confidence(config))
+                                draft_confidence=draft_confidence(config),
+                                num_alternatives=alternatives(config))
     started = time.perf_counter()
     result = generate(drafter if speculative else None, verifier, prompt_ids, gen_config,
                       policy=policy)
@@ -79,6 +86,8 @@ def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
             config.fixed_length or 0)
     request.speculation.adaptive = adaptive
     request.speculation.draft_confidence = draft_confidence(config)
+    if config.alternatives is not None and mode.temperature == 0:
+        request.speculation.num_alternatives = config.alternatives
     return request
 
 

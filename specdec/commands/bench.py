@@ -12,7 +12,7 @@ from pathlib import Path
 
 from specdec.config import add_kernel_settings, add_setting
 
-QUICK = {"modes": "greedy", "lengths": "2,4,adaptive", "prompts_per_category": 1,
+QUICK = {"modes": "greedy", "lengths": "2,4,adaptive,adaptive+a0", "prompts_per_category": 1,
          "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24}
 
 
@@ -38,8 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="torch threads of each `specdec serve` process of the gRPC "
                         "system (they share the machine's cores; 0 = torch default)")
     parser.add_argument("--quick", action="store_true",
-                        help="greedy, 1 prompt per category, k in 2,4,adaptive, 32 tokens "
-                        "(under 3 minutes on 2 cores); explicit flags still win")
+                        help="greedy, 1 prompt per category, k in 2,4,adaptive,adaptive+a0, "
+                        "32 tokens (under 3 minutes on 2 cores); explicit flags still win")
     parser.add_argument("--modes", default=None,
                         help=f"sampling modes (default: {','.join(MODES)})")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
@@ -47,6 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "with --assistant-model, beside a feature draft)")
     parser.add_argument("--lengths", default=None,
                         help=f"draft lengths (default: {','.join(LENGTHS)}; also 'heuristic'); "
+                        "a +aN suffix sets the alternatives per greedy round (default: as "
+                        "served); "
                         "'confident' = the longest length ended by the confidence gate; "
                         "adaptive@G / confident@G set the gate G (default 0.4)")
     parser.add_argument("--prompts-per-category", type=int, default=None,
