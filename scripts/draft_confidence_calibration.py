@@ -2,7 +2,9 @@
 
 Decodes the bench prompts greedily with the target, runs the draft teacher-forced along
 the same text, and buckets every position by the draft's top probability: the evidence
-behind the confidence gate's default (SPECDEC_DRAFT_CONFIDENCE).
+behind the confidence gate's default (SPECDEC_DRAFT_CONFIDENCE). Also prints how often
+the target's token is among the draft's m best (m = 1..8): what alternatives verified
+beside the chain can add (SPECDEC_DRAFT_ALTERNATIVES).
 
     .venv/bin/python scripts/draft_confidence_calibration.py --prompts-per-category 2
 """
@@ -19,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec.bench.prompts import chat_encoder, load_prompts, select  # noqa: E402
-from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_causal_lm  # noqa: E402
+from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_causal_lm, parse_dtype  # noqa: E402
 from specdec.runner import ModelRunner  # noqa: E402
 
 BUCKETS = [(0.0, 0.2), (0.2, 0.3), (0.3, 0.4), (0.4, 0.5), (0.5, 0.6), (0.6, 0.8), (0.8, 1.01)]
@@ -31,14 +33,17 @@ def main() -> None:
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT)
     parser.add_argument("--prompts-per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     args = parser.parse_args()
     cpu = torch.device("cpu")
-    target = load_causal_lm(DEFAULT_TARGET, cpu, torch.float32, progress=False)
-    draft = load_causal_lm(args.draft_model, cpu, torch.float32, progress=False)
+    dtype = parse_dtype(args.dtype)
+    target = load_causal_lm(DEFAULT_TARGET, cpu, dtype, progress=False)
+    draft = load_causal_lm(args.draft_model, cpu, dtype, progress=False)
     vocab = ModelRunner(draft.model, int(target.model.config.vocab_size), draft.token_map).vocab
     encode = chat_encoder(target.tokenizer)
     generate: Any = target.model.generate
     rows: list[tuple[float, bool]] = []
+    ranks: list[int] = []  # the target's token among the draft's choices, 0 = its first
     for prompt in select(load_prompts(), args.prompts_per_category):
         ids = encode(prompt.text)
         out = generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens,
@@ -51,6 +56,9 @@ def main() -> None:
         for position in range(len(ids) - 1, len(out) - 1):
             guess = int(vocab.model_to_target_ids(probs[position].argmax().reshape(1))[0])
             rows.append((float(probs[position].max()), guess == int(out[position + 1])))
+            order = vocab.model_to_target_ids(probs[position].argsort(descending=True)[:8])
+            hits = (order == out[position + 1]).nonzero()
+            ranks.append(int(hits[0]) if len(hits) else 8)
     print(f"{len(rows)} positions, greedy agreement {sum(a for _, a in rows) / len(rows):.2f}")
     print("| draft confidence | positions | agreement with the target |\n|---|---|---|")
     for low, high in BUCKETS:
@@ -58,6 +66,10 @@ def main() -> None:
         if bucket:
             print(f"| {low:.1f}-{min(high, 1.0):.1f} | {len(bucket)} | "
                   f"{sum(bucket) / len(bucket):.2f} |")
+    print("\n| among the draft's m best, m = | " + " | ".join(map(str, range(1, 9))) + " |")
+    print("|---" * 9 + "|")
+    print("| share of positions | " + " | ".join(
+        f"{sum(rank < m for rank in ranks) / len(ranks):.3f}" for m in range(1, 9)) + " |")
 
 
 if __name__ == "__main__":
