@@ -253,6 +253,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         out.acceptance_rate = stats.acceptance_rate
         out.mean_accepted_length = stats.mean_accepted_length
         out.accepted_per_position.extend(stats.accepted_per_position)
+        out.alternatives = stats.alternatives
+        out.kept_alternatives = stats.kept_alternatives
         out.prompt_tokens = prompt_tokens
         out.completion_tokens = len(result.token_ids)
         out.total_seconds = stats.total_s

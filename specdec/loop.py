@@ -146,7 +146,9 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
                     emitted, finish_reason = emitted[: cut + 1], "eos"
                     break
             committed.extend(emitted)
-            stats.record_round(len(draft_tokens), accepted)
+            stats.record_round(len(draft_tokens), accepted,
+                               len(proposal.alternatives) if proposal else 0,
+                               verification.alternative_token is not None)
             policy.observe(asked if proposal else 0, accepted, proposal, verification)
             if proposal:
                 stats.draft_s += proposal.elapsed_s

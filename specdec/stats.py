@@ -12,6 +12,8 @@ class GenerationStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    alternatives: int = 0  # verified beside the chain (greedy)
+    kept_alternatives: int = 0  # counted in accepted_tokens too
     resyncs: int = 0
     degraded: bool = False
     draft_s: float = 0.0  # time the loop waited on Propose
@@ -22,10 +24,14 @@ class GenerationStats:
     total_s: float = 0.0
     first_token_s: float = 0.0
 
-    def record_round(self, num_drafted: int, accepted_len: int) -> None:
+    def record_round(self, num_drafted: int, accepted_len: int, alternatives: int = 0,
+                     kept_alternative: bool = False) -> None:
+        """accepted_len: draft tokens kept, a kept alternative included."""
         self.rounds += 1
         if num_drafted == 0:
             return
+        self.alternatives += alternatives
+        self.kept_alternatives += kept_alternative
         self.num_drafts += 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += accepted_len

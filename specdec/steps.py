@@ -48,8 +48,8 @@ class DraftOutput:
 
 
 # Alternatives per greedy round by default (SPECDEC_DRAFT_ALTERNATIVES): each is one more
-# row of the target's forward, ~1.7 ms in bfloat16 on 2 cores against ~45 ms per round,
-# and the draft's third choice is the target's ~5 % of the time (docs/benchmarks.md).
+# row of the target's forward (1-3 ms in bfloat16 on 2 cores, against ~45 ms per round);
+# 2 was the fastest of 0, 1, 2 and 4 in one run (docs/benchmarks.md section 4d).
 DEFAULT_ALTERNATIVES = 2
 
 

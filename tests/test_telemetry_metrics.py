@@ -24,6 +24,8 @@ def test_counters_equal_summed_stats_over_the_http_endpoint() -> None:
     telemetry = Telemetry("coordinator")  # tracing off: metrics stand on their own
     port = telemetry.serve_metrics(0, addr="127.0.0.1")
     results = [run_request(telemetry, seed=seed, max_new_tokens=10)[0] for seed in (1, 2)]
+    results.append(run_request(telemetry, max_new_tokens=10, temperature=0.0,
+                               num_alternatives=3)[0])  # greedy: alternatives counted
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         got = samples(response.read().decode())
 
@@ -34,6 +36,9 @@ def test_counters_equal_summed_stats_over_the_http_endpoint() -> None:
     assert value("specdec_num_drafts_total") == sum(s.num_drafts for s in stats)
     assert value("specdec_num_draft_tokens_total") == sum(s.draft_tokens for s in stats)
     assert value("specdec_num_accepted_tokens_total") == sum(s.accepted_tokens for s in stats)
+    assert value("specdec_num_alternatives_total") == sum(s.alternatives for s in stats) > 0
+    assert value("specdec_num_kept_alternatives_total") == sum(s.kept_alternatives
+                                                               for s in stats)
     assert value("specdec_rounds_total") == sum(s.rounds for s in stats)
     width = max(len(s.accepted_per_position) for s in stats)
     for position in range(width):
@@ -42,8 +47,8 @@ def test_counters_equal_summed_stats_over_the_http_endpoint() -> None:
         assert value("specdec_num_accepted_tokens_per_pos_total",
                      position=str(position)) == expected
     assert value("specdec_generation_tokens_total") == sum(len(r.token_ids) for r in results)
-    assert value("specdec_requests_total", finish_reason="length") == 2
-    assert value("specdec_request_latency_seconds_count") == 2
+    assert value("specdec_requests_total", finish_reason="length") == len(results)
+    assert value("specdec_request_latency_seconds_count") == len(results)
     assert value("specdec_round_latency_seconds_count") == sum(s.rounds for s in stats)
     assert value("specdec_verify_latency_seconds_count") == sum(s.rounds for s in stats)
     assert value("specdec_propose_latency_seconds_count") == sum(s.num_drafts for s in stats)

@@ -103,6 +103,7 @@ def stats_table(response: Any, title: str = "generation stats") -> Any:
         ("acceptance rate", f"{stats.acceptance_rate:.1%}"),
         ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
         ("accepted per position", " ".join(map(str, stats.accepted_per_position)) or "-"),
+        ("alternatives verified / kept", f"{stats.alternatives} / {stats.kept_alternatives}"),
         ("total time", f"{stats.total_seconds:.2f} s"),
         ("tokens per second",
          f"{tokens / stats.total_seconds:.1f}" if stats.total_seconds else "-"),

@@ -70,6 +70,10 @@ class CoordinatorMetrics:
         self.num_draft_tokens = counter("num_draft_tokens", "Tokens proposed by the draft")
         self.num_accepted_tokens = counter("num_accepted_tokens",
                                            "Draft tokens accepted by the target")
+        self.num_alternatives = counter(
+            "num_alternatives", "Alternatives verified beside the draft's chain (greedy)")
+        self.num_kept_alternatives = counter(
+            "num_kept_alternatives", "Alternatives the target kept (also counted as accepted)")
         self.num_accepted_tokens_per_pos = counter(
             "num_accepted_tokens_per_pos", "Accepted draft tokens by 0-based draft position",
             ("position",))
@@ -133,6 +137,8 @@ class RequestRecorder:
             m.num_drafts.inc()
             m.num_draft_tokens.inc(proposed)
             m.num_accepted_tokens.inc(event.accepted_len)
+            m.num_alternatives.inc(len(event.proposal.alternatives) if event.proposal else 0)
+            m.num_kept_alternatives.inc(event.alternative_token is not None)
             for position in range(event.accepted_len):
                 m.num_accepted_tokens_per_pos.labels(position=str(position)).inc()
         self._round_started = time.perf_counter()

@@ -175,9 +175,12 @@ class GenerationStats(_message.Message):
     DEGRADED_FIELD_NUMBER: _builtins.int
     RESYNCS_FIELD_NUMBER: _builtins.int
     WIRE_BYTES_FIELD_NUMBER: _builtins.int
+    ALTERNATIVES_FIELD_NUMBER: _builtins.int
+    KEPT_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     rounds: _builtins.int
     draft_tokens: _builtins.int
     accepted_tokens: _builtins.int
+    """Draft tokens kept, kept alternatives included."""
     acceptance_rate: _builtins.float
     """accepted_tokens / draft_tokens."""
     mean_accepted_length: _builtins.float
@@ -200,6 +203,9 @@ class GenerationStats(_message.Message):
     """Times a service's cache was rebuilt from position 0 (restart, eviction)."""
     wire_bytes: _builtins.int
     """Serialized Propose/Verify request and response bytes."""
+    alternatives: _builtins.int
+    """Alternatives verified beside the draft's chain, and those the target kept."""
+    kept_alternatives: _builtins.int
     @_builtins.property
     def accepted_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """accepted_per_position[i]: rounds that kept draft token i."""
@@ -225,10 +231,12 @@ class GenerationStats(_message.Message):
         degraded: _builtins.bool = ...,
         resyncs: _builtins.int = ...,
         wire_bytes: _builtins.int = ...,
+        alternatives: _builtins.int = ...,
+        kept_alternatives: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_rate", b"acceptance_rate", "accepted_per_position", b"accepted_per_position", "accepted_tokens", b"accepted_tokens", "completion_tokens", b"completion_tokens", "degraded", b"degraded", "draft_forward_seconds", b"draft_forward_seconds", "draft_seconds", b"draft_seconds", "draft_tokens", b"draft_tokens", "first_token_seconds", b"first_token_seconds", "mean_accepted_length", b"mean_accepted_length", "num_drafts", b"num_drafts", "prompt_tokens", b"prompt_tokens", "resyncs", b"resyncs", "rounds", b"rounds", "total_seconds", b"total_seconds", "verify_forward_seconds", b"verify_forward_seconds", "verify_seconds", b"verify_seconds", "wire_bytes", b"wire_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_rate", b"acceptance_rate", "accepted_per_position", b"accepted_per_position", "accepted_tokens", b"accepted_tokens", "alternatives", b"alternatives", "completion_tokens", b"completion_tokens", "degraded", b"degraded", "draft_forward_seconds", b"draft_forward_seconds", "draft_seconds", b"draft_seconds", "draft_tokens", b"draft_tokens", "first_token_seconds", b"first_token_seconds", "kept_alternatives", b"kept_alternatives", "mean_accepted_length", b"mean_accepted_length", "num_drafts", b"num_drafts", "prompt_tokens", b"prompt_tokens", "resyncs", b"resyncs", "rounds", b"rounds", "total_seconds", b"total_seconds", "verify_forward_seconds", b"verify_forward_seconds", "verify_seconds", b"verify_seconds", "wire_bytes", b"wire_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
