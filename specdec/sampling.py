@@ -81,17 +81,35 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         logits = logits.masked_fill(logits < kth, -math.inf)
     probs = torch.softmax(logits, dim=-1)
     if 0.0 < params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
-        drop_sorted = mass_before >= params.top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = _top_p(probs, params.top_p)
     if params.min_p > 0.0:
         threshold = params.min_p * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+# Candidates the top-p filter sorts first: a nucleus is usually far smaller, and sorting a
+# whole 49,152-token row cost ~4 ms of a ~40 ms decoding step here.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of the tokens by probability whose mass reaches top_p (the
+    top token always stays). Sorts only the most likely candidates when their mass
+    reaches top_p in every row: every token past them has at least that much mass before
+    it, so a full sort would drop it too; otherwise sorts more (at worst the whole row)."""
+    vocab = probs.shape[-1]
+    candidates = min(TOP_P_CANDIDATES, vocab)
+    while True:
+        sorted_probs, order = torch.topk(probs, candidates, dim=-1)  # descending
+        if candidates == vocab or bool((sorted_probs.sum(dim=-1) >= top_p).all()):
+            break
+        candidates = min(vocab, candidates * 8)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)
+    return probs.masked_fill(~keep, 0.0)
 
 
 def _stream_seed(seed: int, position: int, purpose: Purpose) -> int:

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from specdec.sampling import (
+    TOP_P_CANDIDATES,
     Purpose,
     SamplingParams,
+    _top_p,
     draw,
     process_logits,
     sample_with_uniforms,
@@ -41,6 +43,26 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
     probs = process_logits(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))[0]
     assert (probs > 0).tolist() == [True, True, False, False, False, False]
     assert torch.allclose(probs[:2], base[:2] / base[:2].sum())
+
+
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition: sort every row whole, keep the prefix whose mass reaches top_p."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    drop_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+    drop_sorted[..., 0] = False
+    return probs.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), 0)
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.0, 0.05])  # peaked; wide; nucleus > candidates
+@pytest.mark.parametrize("top_p", [0.1, 0.9, 0.999])
+def test_top_p_on_candidates_equals_the_full_sort(scale: float, top_p: float) -> None:
+    generator = torch.Generator().manual_seed(int(scale * 100) + int(top_p * 1000))
+    logits = torch.randn(3, 49152, generator=generator) * scale
+    probs = torch.softmax(logits, dim=-1)
+    kept = _top_p(probs, top_p)
+    assert torch.equal(kept, _top_p_by_full_sort(probs, top_p))
+    if scale == 0.05 and top_p > 0.5:  # the fallback path: the nucleus is wider
+        assert int((kept[0] > 0).sum()) > TOP_P_CANDIDATES
 
 
 def test_min_p_drops_tokens_below_fraction_of_max() -> None:
