@@ -72,7 +72,8 @@ class Drafter(Protocol):
                 params: SamplingParams, min_confidence: float = 0.0,
                 num_alternatives: int = 0) -> Proposal:
         """Up to num_tokens tokens: fewer only when min_confidence stops the draft.
-        num_alternatives (greedy): next-best tokens per depth (steps.draft_step)."""
+        num_alternatives (greedy): also up to that many of the draft's next-best tokens,
+        in Proposal.alternatives (steps.draft_step picks them)."""
         ...
 
     def release(self, session_id: str) -> None: ...

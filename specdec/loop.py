@@ -29,7 +29,7 @@ class GenerateConfig:
     num_draft_tokens: int = 4  # 0 = target only
     # Stop a proposal after a token the draft gives less than this probability (0 = off).
     draft_confidence: float = 0.0
-    # Greedy: the draft's next-best tokens per depth, verified beside its chain (0 = off).
+    # Greedy: this many of the draft's next-best tokens verified beside its chain (0 = off).
     num_alternatives: int = 0
     eos_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
