@@ -111,6 +111,7 @@ def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
         token = int(runner.vocab.model_to_target_ids(model_id)[0])
         tokens.append(token)
         rows.append(probs[0])
+        own_q = None  # the draft's T=1 probability of its proposal, once computed
         if num_alternatives:
             draft_q = torch.softmax(logits[0].float(), dim=-1)
             top_q, top_ids = draft_q.topk(min(num_alternatives + 1, draft_q.shape[0]))
@@ -119,10 +120,14 @@ def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
                                        strict=True):
                 if target_id != token:
                     candidates.append((reach * prob, index + 1, target_id))
-            reach *= float(draft_q[model_id.reshape(-1)[0]])
-        if min_confidence > 0 and index + 1 < num_tokens and \
-                confidence(logits, probs, model_id, params.greedy) < min_confidence:
-            break
+            own_q = float(draft_q[model_id.reshape(-1)[0]])
+            reach *= own_q
+        if min_confidence > 0 and index + 1 < num_tokens:
+            # Alternatives are greedy only, where own_q is the gate's confidence too.
+            gate = own_q if own_q is not None else confidence(logits, probs, model_id,
+                                                              params.greedy)
+            if gate < min_confidence:
+                break
         if index + 1 < num_tokens:  # the last proposal is never fed: verification decides
             step = runner.append(sync.session_id, [token], hidden_rows=int(reads_hidden),
                                  target_hidden=result.hidden)
