@@ -35,6 +35,12 @@ from specdec.grpc_status import abort, rpc_errors
 from specdec.interfaces import Drafter, Verifier
 from specdec.loop import GenerateConfig, GenerationResult, RoundEvent, generate
 from specdec.model_service import ModelInfo
+from specdec.prompt_lookup import (
+    DEFAULT_LOOKUP_TOKENS,
+    DEFAULT_MAX_NGRAM,
+    DEFAULT_MIN_NGRAM,
+    PromptLookup,
+)
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.observe import RequestObserver
@@ -50,6 +56,9 @@ class CoordinatorSettings:
     num_draft_tokens: int = 4  # when a request has no `speculation`
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # adaptive requests without their own
     num_alternatives: int = DEFAULT_ALTERNATIVES  # greedy requests without their own
+    prompt_lookup_tokens: int = DEFAULT_LOOKUP_TOKENS  # requests without their own; 0 = off
+    prompt_lookup_min: int = DEFAULT_MIN_NGRAM
+    prompt_lookup_max: int = DEFAULT_MAX_NGRAM
     max_draft_tokens: int = 16
     max_new_tokens_limit: int = 2048
     draft_timeout_s: float = 5.0  # per Propose; slower counts as unavailable
@@ -104,7 +113,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.limits = Limits(target.vocab_size, target.max_context,
                              self.settings.max_new_tokens_limit, self.settings.max_draft_tokens,
                              self.settings.num_draft_tokens, self.settings.draft_confidence,
-                             self.settings.num_alternatives)
+                             self.settings.num_alternatives,
+                             self.settings.prompt_lookup_tokens)
+        # Checked here, so that a bad setting stops the coordinator at start.
+        PromptLookup(target.vocab_size, 1, self.settings.prompt_lookup_min,
+                     self.settings.prompt_lookup_max)
 
     def service(self) -> Service:
         return Service(SERVICE_NAME,
@@ -208,6 +221,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 num_draft_tokens=valid.num_draft_tokens,
                                 draft_confidence=valid.draft_confidence,
                                 num_alternatives=valid.num_alternatives,
+                                prompt_lookup=self._prompt_lookup(valid),
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)
         loop_drafter: Drafter | None = drafter
@@ -236,6 +250,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             observed.finish(result)
         return result
 
+    def _prompt_lookup(self, valid: ValidRequest) -> PromptLookup | None:
+        if valid.num_draft_tokens == 0 or valid.prompt_lookup_tokens == 0:
+            return None  # a target-only request stays target-only
+        return PromptLookup(self.target.vocab_size, valid.prompt_lookup_tokens,
+                            self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
+
     def _route(self, role: str, replicas: ReplicaSet, session_id: str) -> ReplicaRoute:
         """Pin the session to a replica; every pin (at start or after a move) is counted."""
         return ReplicaRoute(
@@ -255,6 +275,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         out.accepted_per_position.extend(stats.accepted_per_position)
         out.alternatives = stats.alternatives
         out.kept_alternatives = stats.kept_alternatives
+        out.lookup_drafts = stats.lookup_drafts
+        out.lookup_draft_tokens = stats.lookup_draft_tokens
+        out.lookup_accepted_tokens = stats.lookup_accepted_tokens
         out.prompt_tokens = prompt_tokens
         out.completion_tokens = len(result.token_ids)
         out.total_seconds = stats.total_s

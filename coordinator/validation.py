@@ -22,6 +22,7 @@ class Limits:
     default_draft_tokens: int  # when the request has no `speculation`
     default_draft_confidence: float = 0.0  # adaptive requests that do not set their own
     default_alternatives: int = 0  # greedy requests that do not set their own
+    default_lookup_tokens: int = 0  # requests that do not set their own
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ValidRequest:
     stop: list[str]
     draft_confidence: float = 0.0
     num_alternatives: int = 0
+    prompt_lookup_tokens: int = 0
 
 
 def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
@@ -73,6 +75,12 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if num_alternatives and not sampling.greedy:
             raise InvalidRequest("speculation.num_alternatives applies to greedy requests "
                                  "only (temperature 0); sampled requests verify a chain")
+    lookup_tokens = limits.default_lookup_tokens
+    if request.HasField("speculation") and request.speculation.HasField("prompt_lookup_tokens"):
+        lookup_tokens = request.speculation.prompt_lookup_tokens
+        if not 0 <= lookup_tokens <= limits.max_draft_tokens:
+            raise InvalidRequest(f"speculation.prompt_lookup_tokens must be in "
+                                 f"[0, {limits.max_draft_tokens}], got {lookup_tokens}")
     stop = list(request.stop)
     for index, text in enumerate(stop):
         if not text:
@@ -96,7 +104,7 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
             f"tokens exceeds the target's context of {limits.max_context}; at most "
             f"{limits.max_context - len(prompt_ids)}")
     return ValidRequest(prompt_ids, request.max_new_tokens, sampling, num_draft_tokens,
-                        adaptive, stop, draft_confidence, num_alternatives)
+                        adaptive, stop, draft_confidence, num_alternatives, lookup_tokens)
 
 
 def tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:

@@ -15,6 +15,7 @@ import torch
 from specdec.history import TokenHistory
 from specdec.rejection import NO_ALTERNATIVES, Alternatives
 from specdec.sampling import SamplingParams
+from specdec.stats import DRAFT_MODEL
 from specdec.steps import SyncPoint
 
 
@@ -27,6 +28,7 @@ class Proposal:
     resyncs: int = 0
     wire_bytes: int = 0
     alternatives: Alternatives = NO_ALTERNATIVES  # greedy only: verified beside the chain
+    source: str = DRAFT_MODEL
 
 
 @dataclass(frozen=True)

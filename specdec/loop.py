@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from specdec.history import HiddenStateLog, TokenHistory
 from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verifier
 from specdec.policy import DraftBackoff, FixedLength, LengthPolicy
+from specdec.prompt_lookup import PromptLookup
 from specdec.rejection import NO_ALTERNATIVES
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats
@@ -31,6 +32,8 @@ class GenerateConfig:
     draft_confidence: float = 0.0
     # Greedy: this many of the draft's next-best tokens verified beside its chain (0 = off).
     num_alternatives: int = 0
+    # Tried before the draft each round; a hit replaces the draft's proposal (None = off).
+    prompt_lookup: PromptLookup | None = None
     eos_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     session_id: str = ""
@@ -43,8 +46,8 @@ class RoundEvent:
     index: int
     position_before: int
     position_after: int
-    asked: int
-    proposal: Proposal | None
+    asked: int  # of the draft model (0 in a prompt-lookup round)
+    proposal: Proposal | None  # proposal.source says whose
     accepted_len: int  # draft tokens kept: the chain's, and a kept alternative
     emitted: list[int]
     bonus: bool
@@ -122,7 +125,12 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             if drafter is None or not _draft_inputs_ready(committed):
                 asked = 0
             proposal = None
-            if asked > 0 and backoff.ready():
+            if config.prompt_lookup is not None and remaining > 1:
+                proposal = config.prompt_lookup.propose(committed, remaining - 1, params)
+            looked_up = proposal is not None
+            if looked_up:
+                pass  # the draft model sits this round out; its cache catches up next time
+            elif asked > 0 and backoff.ready():
                 try:
                     proposal = drafter.propose(session_id, committed, asked, params,  # type: ignore[union-attr]
                                                config.draft_confidence, num_alternatives)
@@ -148,8 +156,10 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             committed.extend(emitted)
             stats.record_round(len(draft_tokens), accepted,
                                len(proposal.alternatives) if proposal else 0,
-                               verification.alternative_token is not None)
-            policy.observe(asked if proposal else 0, accepted, proposal, verification)
+                               verification.alternative_token is not None,
+                               proposal.source if proposal else "")
+            if not looked_up:  # the policy's evidence and costs are the draft model's
+                policy.observe(asked if proposal else 0, accepted, proposal, verification)
             if proposal:
                 stats.draft_s += proposal.elapsed_s
                 stats.draft_forward_s += proposal.forward_s
@@ -169,7 +179,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
                 finish_reason = "stop"
             if on_round is not None:
                 on_round(RoundEvent(
-                    stats.rounds - 1, position_before, len(committed), asked, proposal,
+                    stats.rounds - 1, position_before, len(committed),
+                    0 if looked_up else asked, proposal,
                     accepted, emitted,
                     bool(draft_tokens) and verification.accepted_len == len(draft_tokens),
                     verification.elapsed_s, verification.forward_s,

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Proposal.source: who proposed a round's tokens (here, not in specdec.interfaces, so that
+# telemetry can read them without importing torch).
+DRAFT_MODEL = "draft"
+PROMPT_LOOKUP = "prompt_lookup"  # specdec.prompt_lookup: copied from earlier text
+
 
 @dataclass
 class GenerationStats:
@@ -14,6 +19,10 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     alternatives: int = 0  # verified beside the chain (greedy)
     kept_alternatives: int = 0  # counted in accepted_tokens too
+    # Prompt lookup's part of num_drafts / draft_tokens / accepted_tokens.
+    lookup_drafts: int = 0
+    lookup_draft_tokens: int = 0
+    lookup_accepted_tokens: int = 0
     resyncs: int = 0
     degraded: bool = False
     draft_s: float = 0.0  # time the loop waited on Propose
@@ -25,11 +34,16 @@ class GenerationStats:
     first_token_s: float = 0.0
 
     def record_round(self, num_drafted: int, accepted_len: int, alternatives: int = 0,
-                     kept_alternative: bool = False) -> None:
-        """accepted_len: draft tokens kept, a kept alternative included."""
+                     kept_alternative: bool = False, source: str = "") -> None:
+        """accepted_len: draft tokens kept, a kept alternative included; source: the
+        proposal's (Proposal.source)."""
         self.rounds += 1
         if num_drafted == 0:
             return
+        if source == PROMPT_LOOKUP:
+            self.lookup_drafts += 1
+            self.lookup_draft_tokens += num_drafted
+            self.lookup_accepted_tokens += accepted_len
         self.alternatives += alternatives
         self.kept_alternatives += kept_alternative
         self.num_drafts += 1

@@ -8,6 +8,7 @@ import torch
 
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, GenerationResult, generate
+from specdec.prompt_lookup import PromptLookup
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.telemetry.file_exporter import JsonLinesSpanExporter
@@ -32,13 +33,14 @@ def file_telemetry(trace_file: Path, *, step_spans: bool = True,
 
 def run_request(telemetry: Telemetry, *, max_new_tokens: int = 12, num_draft_tokens: int = 3,
                 temperature: float = 1.0, seed: int = 7, num_alternatives: int = 0,
+                prompt_lookup: PromptLookup | None = None,
                 request_id: str = "req-1") -> tuple[GenerationResult, str]:
     """One generate() through the telemetry observer; (result, trace id)."""
     drafter = LocalDrafter(ModelRunner(tiny_llama(seed=1, layers=1)))
     verifier = LocalVerifier(ModelRunner(tiny_llama(seed=2)))
     config = GenerateConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
                             sampling=SamplingParams(temperature=temperature, seed=seed),
-                            num_alternatives=num_alternatives)
+                            num_alternatives=num_alternatives, prompt_lookup=prompt_lookup)
     with telemetry.request(request_id, len(PROMPT), config) as observed:
         result = generate(observed.drafter(drafter), observed.verifier(verifier), PROMPT,
                           config, on_round=observed.on_round)

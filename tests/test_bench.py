@@ -179,6 +179,26 @@ def test_alternatives_suffix_sets_the_alternatives_and_keeps_the_length() -> Non
         build_configs(("specdec-local",), ("2+ax",))
 
 
+def test_lookup_suffix_sets_prompt_lookup_and_combines_with_alternatives() -> None:
+    from specdec.bench.systems import grpc_request, prompt_lookup
+    from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS
+
+    configs = {c.name: c for c in build_configs(("specdec-local",),
+                                                ("adaptive", "adaptive+p0", "2+a0+p4"))}
+    plain, off, both = (configs[f"specdec-local k={n}"] for n in
+                        ("adaptive", "adaptive+p0", "2+a0+p4"))
+    served = prompt_lookup(plain, 100)
+    assert served is not None and served.max_tokens == DEFAULT_LOOKUP_TOKENS
+    assert off.lookup_tokens == 0 and prompt_lookup(off, 100) is None
+    assert (both.fixed_length, both.alternatives, both.lookup_tokens) == (2, 0, 4)
+    request = grpc_request(both, MODES["greedy"], [1, 2], 8, seed=1)
+    assert request.speculation.prompt_lookup_tokens == 4
+    assert not grpc_request(plain, MODES["greedy"], [1, 2], 8, 1).speculation.HasField(
+        "prompt_lookup_tokens")  # as served
+    with pytest.raises(ValueError, match="prompt lookup tokens"):
+        build_configs(("specdec-local",), ("2+p",))
+
+
 def test_gate_suffix_sets_the_confidence_gate() -> None:
     from specdec.bench.systems import draft_confidence
 

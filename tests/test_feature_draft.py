@@ -18,6 +18,7 @@ from specdec.feature_draft import final_norm
 from specdec.history import HiddenStateLog, TokenHistory
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, RoundEvent, generate
+from specdec.prompt_lookup import PromptLookup
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
@@ -182,7 +183,8 @@ def test_over_grpc_equals_the_in_process_loop(services, models, sampling) -> Non
     response = services.stub.Generate(_request(3, **sampling), timeout=30)
     local = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
                      PROMPT, GenerateConfig(max_new_tokens=30, num_draft_tokens=3,
-                                            sampling=SamplingParams(**sampling)))
+                                            sampling=SamplingParams(**sampling),
+                                            prompt_lookup=PromptLookup(VOCAB)))
     assert list(response.token_ids) == local.token_ids
     assert response.stats.draft_tokens == local.stats.draft_tokens > 0
     assert response.stats.accepted_tokens == local.stats.accepted_tokens

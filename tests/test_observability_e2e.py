@@ -155,8 +155,11 @@ def test_one_trace_across_three_services(served: dict, key: str, method: str) ->
             assert server.attributes[n.TOKENS_PROCESSED] > 0
     verifies = [s for s in trace if s.kind == reader.KIND_CLIENT and s.method == "Verify"]
     assert len(verifies) == stats.rounds + stats.resyncs
-    assert stats.num_drafts == sum(
+    # Prompt-lookup rounds call no Propose; their round spans say so.
+    assert stats.num_drafts - stats.lookup_drafts == sum(
         1 for s in trace if s.kind == reader.KIND_CLIENT and s.method == "Propose")
+    assert stats.lookup_drafts == sum(
+        1 for r in rounds if r.attributes[n.SOURCE] == "prompt_lookup")
 
 
 def test_rejection_events_match_round_attributes(served: dict) -> None:
@@ -215,4 +218,5 @@ def test_traces_command_renders_the_request(served: dict,
     assert len(rows) == served["unary"].stats.rounds
     # Server-side model time and the network share come from the other services' files.
     assert all(r["target_forward_ms"] > 0 and r["network_ms"] is not None for r in rows)
-    assert all(r["draft_forward_ms"] for r in rows if r["proposed"])
+    assert all(r["draft_forward_ms"] for r in rows if r["source"] == "draft")
+    assert {r["source"] for r in rows if r["proposed"]} <= {"draft", "prompt_lookup"}

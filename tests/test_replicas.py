@@ -40,6 +40,7 @@ from specdec.grpc_server import ServerHandle, build_server, check_health, wait_h
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, generate
 from specdec.model_service import model_info
+from specdec.prompt_lookup import PromptLookup
 from specdec.proto.specdec.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -176,7 +177,9 @@ def in_process(models: Models, max_new_tokens: int, seed: int | None = None) -> 
     """The same generation without services: what every replica layout must reproduce."""
     params = SamplingParams() if seed is None else SamplingParams(temperature=1.0, top_k=8,
                                                                   seed=seed)
-    config = GenerateConfig(max_new_tokens=max_new_tokens, sampling=params, num_draft_tokens=3)
+    # The coordinator's default prompt lookup: every layout must reproduce its rounds too.
+    config = GenerateConfig(max_new_tokens=max_new_tokens, sampling=params, num_draft_tokens=3,
+                            prompt_lookup=PromptLookup(VOCAB))
     drafter = LocalDrafter(ModelRunner(models.draft, target_vocab_size=VOCAB))
     return generate(drafter, LocalVerifier(ModelRunner(models.target)), PROMPT,
                     config).token_ids
@@ -335,7 +338,9 @@ def test_killing_the_serving_draft_keeps_the_output(
     group = replicas["draft"]
     expected = in_process(models, LONG)
     before = coordinator.pins("draft", [r.endpoint for r in group])
-    tokens, last = stream(coordinator, request(LONG), kill_serving(coordinator, group, before))
+    message = request(LONG)
+    message.speculation.prompt_lookup_tokens = 0  # every round asks the draft
+    tokens, last = stream(coordinator, message, kill_serving(coordinator, group, before))
     assert tokens == expected
     assert last.stats.resyncs >= 1  # the next Propose re-sent the prefix to the other draft
     after = coordinator.pins("draft", [r.endpoint for r in group])

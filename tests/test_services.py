@@ -19,11 +19,13 @@ from tiny_models import tiny_llama
 from coordinator.servicer import CoordinatorSettings
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, RoundEvent, generate
+from specdec.prompt_lookup import PromptLookup
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 
 VOCAB = 32
+LOOKUP = PromptLookup(VOCAB)  # the coordinator's default
 PROMPT = [1, 5, 7, 3]
 FAST = CoordinatorSettings(draft_backoff_initial_s=0.01, draft_backoff_max_s=0.05)
 
@@ -133,7 +135,7 @@ def test_draft_confidence_over_the_wire_equals_the_in_process_loop(services, mod
     response = services.stub.Generate(message, timeout=30)
     params = SamplingParams(**sampling)  # type: ignore[arg-type]
     config = GenerateConfig(max_new_tokens=30, sampling=params, num_draft_tokens=6,
-                            draft_confidence=0.2)
+                            draft_confidence=0.2, prompt_lookup=LOOKUP)
     local = generate(LocalDrafter(ModelRunner(draft, target_vocab_size=VOCAB)),
                      LocalVerifier(ModelRunner(target)), PROMPT, config)
     assert list(response.token_ids) == local.token_ids
@@ -160,7 +162,8 @@ def test_alternatives_over_the_wire_equal_the_in_process_loop(services, models,
     events: list[RoundEvent] = []
     local = generate(LocalDrafter(ModelRunner(draft, target_vocab_size=VOCAB)),
                      LocalVerifier(ModelRunner(target)), prompt,
-                     GenerateConfig(max_new_tokens=40, num_draft_tokens=3, num_alternatives=6),
+                     GenerateConfig(max_new_tokens=40, num_draft_tokens=3, num_alternatives=6,
+                                    prompt_lookup=LOOKUP),
                      on_round=events.append)
     assert list(response.token_ids) == local.token_ids
     assert response.stats.accepted_tokens == local.stats.accepted_tokens
@@ -171,7 +174,9 @@ def test_greedy_with_a_perfect_draft_accepts_everything(models) -> None:
     target, _ = models
     stack = Services(target, target)  # the target as its own draft: every token accepted
     try:
-        response = stack.stub.Generate(request(max_new_tokens=25, k=4), timeout=30)
+        message = request(max_new_tokens=25, k=4)
+        message.speculation.prompt_lookup_tokens = 0  # the draft's own rounds only
+        response = stack.stub.Generate(message, timeout=30)
     finally:
         stack.close()
     assert list(response.token_ids) == target_only(target, PROMPT, 25)
@@ -191,11 +196,13 @@ def test_seeded_sampling_equals_the_in_process_loop(services, models, sampling) 
         response = services.stub.Generate(request(max_new_tokens=20, k=3, seed=seed, **sampling),
                                           timeout=30)
         params = SamplingParams(seed=seed, **sampling)  # values exact in float32
-        config = GenerateConfig(max_new_tokens=20, sampling=params, num_draft_tokens=3)
+        config = GenerateConfig(max_new_tokens=20, sampling=params, num_draft_tokens=3,
+                                prompt_lookup=LOOKUP)
         local = generate(LocalDrafter(ModelRunner(draft, target_vocab_size=VOCAB)),
                          LocalVerifier(ModelRunner(target)), PROMPT, config)
         assert list(response.token_ids) == local.token_ids
         assert response.stats.accepted_tokens == local.stats.accepted_tokens
+        assert response.stats.lookup_draft_tokens == local.stats.lookup_draft_tokens
         again = services.stub.Generate(request(max_new_tokens=20, k=3, seed=seed, **sampling))
         assert list(again.token_ids) == local.token_ids
 
@@ -286,7 +293,8 @@ def test_draft_down_then_back(own_services, models) -> None:
     stack.stop_draft()
     down = stack.stub.Generate(request(max_new_tokens=30, k=3), timeout=30)
     assert list(down.token_ids) == expected
-    assert down.stats.degraded and down.stats.draft_tokens == 0
+    # Prompt lookup needs no draft: only its tokens were proposed.
+    assert down.stats.degraded and down.stats.draft_tokens == down.stats.lookup_draft_tokens
     stack.start_draft()
     assert wait_until(lambda: not stack.stub.Generate(
         request(max_new_tokens=30, k=3), timeout=30).stats.degraded)

@@ -42,7 +42,8 @@ def generate_request(**fields: object) -> coordinator_pb2.GenerateRequest:
     for name, value in fields.items():
         if name.startswith("sampling_"):
             setattr(message.sampling, name.removeprefix("sampling_"), value)
-        elif name in ("num_draft_tokens", "draft_confidence", "num_alternatives"):
+        elif name in ("num_draft_tokens", "draft_confidence", "num_alternatives",
+                      "prompt_lookup_tokens"):
             setattr(message.speculation, name, value)
         elif name in ("prompt_token_ids", "stop"):
             field = getattr(message, name)
@@ -83,6 +84,10 @@ INVALID = {
                                    "speculation.num_alternatives"),
     "num_alternatives when sampling": (dict(num_alternatives=2, sampling_temperature=1.0,
                                             sampling_seed=1), "greedy requests only"),
+    "prompt_lookup_tokens < 0": (dict(prompt_lookup_tokens=-1),
+                                 "speculation.prompt_lookup_tokens"),
+    "prompt_lookup_tokens too large": (dict(prompt_lookup_tokens=17),
+                                       "speculation.prompt_lookup_tokens must be in [0, 16]"),
     "chat with token ids": (dict(chat=True), "chat"),
     "text without a tokenizer": (dict(prompt_token_ids=[], prompt="hi"), "prompt"),
     "stop without a tokenizer": (dict(stop=["x"]), "stop"),

@@ -6,6 +6,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec.prompt_lookup import PromptLookup
 from specdec.runner import ModelRunner
 from specdec.telemetry.service import Telemetry
 from tests.telemetry_helpers import run_request
@@ -26,6 +27,8 @@ def test_counters_equal_summed_stats_over_the_http_endpoint() -> None:
     results = [run_request(telemetry, seed=seed, max_new_tokens=10)[0] for seed in (1, 2)]
     results.append(run_request(telemetry, max_new_tokens=10, temperature=0.0,
                                num_alternatives=3)[0])  # greedy: alternatives counted
+    results.append(run_request(telemetry, max_new_tokens=24, temperature=0.0,  # 16-token vocab
+                               prompt_lookup=PromptLookup(16, min_ngram=1))[0])
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         got = samples(response.read().decode())
 
@@ -39,6 +42,10 @@ def test_counters_equal_summed_stats_over_the_http_endpoint() -> None:
     assert value("specdec_num_alternatives_total") == sum(s.alternatives for s in stats) > 0
     assert value("specdec_num_kept_alternatives_total") == sum(s.kept_alternatives
                                                                for s in stats)
+    assert value("specdec_num_lookup_draft_tokens_total") == sum(
+        s.lookup_draft_tokens for s in stats) > 0
+    assert value("specdec_num_lookup_accepted_tokens_total") == sum(
+        s.lookup_accepted_tokens for s in stats)
     assert value("specdec_rounds_total") == sum(s.rounds for s in stats)
     width = max(len(s.accepted_per_position) for s in stats)
     for position in range(width):
@@ -51,6 +58,7 @@ def test_counters_equal_summed_stats_over_the_http_endpoint() -> None:
     assert value("specdec_request_latency_seconds_count") == len(results)
     assert value("specdec_round_latency_seconds_count") == sum(s.rounds for s in stats)
     assert value("specdec_verify_latency_seconds_count") == sum(s.rounds for s in stats)
+    # A prompt-lookup round has a proposal (no Propose call, a zero-cost one) too.
     assert value("specdec_propose_latency_seconds_count") == sum(s.num_drafts for s in stats)
     assert value("specdec_active_requests") == 0
 

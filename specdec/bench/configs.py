@@ -26,8 +26,10 @@ LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident", "adaptive+a0")
 # "heuristic" (transformers' +2/-1, in-process only) and "confident" (the longest length
 # every round, ended by the confidence gate alone: transformers' assisted generation's
 # scheme, in specdec). A "+aN" suffix sets the alternatives per greedy round (default: as
-# served, SPECDEC_DRAFT_ALTERNATIVES); "adaptive+a0" is adaptive with the chain alone.
-ALTERNATIVES_SUFFIX = "+a"
+# served, SPECDEC_DRAFT_ALTERNATIVES); "adaptive+a0" is adaptive with the chain alone. A
+# "+pN" suffix sets prompt lookup's tokens per round (default: as served,
+# SPECDEC_PROMPT_LOOKUP_TOKENS; "+p0" = off). Suffixes combine: "2+a0+p0".
+SUFFIXES = {"a": "alternatives", "p": "prompt lookup tokens"}
 POLICIES = ("adaptive", "heuristic", "confident")
 GATED = ("adaptive", "confident")  # the policies the confidence gate applies to
 
@@ -60,14 +62,24 @@ class BenchConfig:
 
     @property
     def draft_length(self) -> str:
-        """The length without an alternatives suffix: "2+a0" -> "2"."""
-        return self.length.partition(ALTERNATIVES_SUFFIX)[0]
+        """The length without its suffixes: "2+a0+p0" -> "2"."""
+        return self.length.partition("+")[0]
+
+    def _suffix(self, letter: str) -> int | None:
+        for option in self.length.split("+")[1:]:
+            if option[:1] == letter:
+                return int(option[1:])
+        return None
 
     @property
     def alternatives(self) -> int | None:
         """Alternatives per greedy round a "+aN" suffix sets (None: as served)."""
-        _, plus, count = self.length.partition(ALTERNATIVES_SUFFIX)
-        return int(count) if plus else None
+        return self._suffix("a")
+
+    @property
+    def lookup_tokens(self) -> int | None:
+        """Prompt lookup's tokens per round a "+pN" suffix sets (None: as served)."""
+        return self._suffix("p")
 
     @property
     def fixed_length(self) -> int | None:
@@ -97,10 +109,11 @@ def build_configs(systems: tuple[str, ...], lengths: tuple[str, ...]) -> list[Be
         if system not in KNOWN_SYSTEMS:
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(KNOWN_SYSTEMS)}")
     for full_length in lengths:
-        length, plus, count = full_length.partition(ALTERNATIVES_SUFFIX)
-        if plus and not count.isdigit():
-            raise ValueError(f"draft length {full_length!r}: +aN takes a count N >= 0 of "
-                             "alternatives")
+        length, *options = full_length.split("+")
+        for option in options:
+            if option[:1] not in SUFFIXES or not option[1:].isdigit():
+                raise ValueError(f"draft length {full_length!r}: suffixes are " + ", ".join(
+                    f"+{letter}N ({what}, N >= 0)" for letter, what in SUFFIXES.items()))
         policy, at, gate = length.partition("@")
         if at and (policy not in GATED or not _is_fraction(gate)):
             raise ValueError(f"draft length {length!r}: only adaptive@G and confident@G take "
@@ -143,6 +156,8 @@ class RunRecord:
     verify_s: float = 0.0
     verify_forward_s: float = 0.0
     wire_bytes: int = 0
+    lookup_draft_tokens: int = 0  # prompt lookup's part of draft_tokens
+    lookup_accepted_tokens: int = 0  # and of accepted_tokens
     chosen: list[int] = field(default_factory=list)  # per-round draft lengths (local only)
     token_ids: list[int] = field(default_factory=list)  # greedy runs only
 

@@ -10,6 +10,7 @@ from specdec.bench.configs import GATED, TARGET_ONLY, BenchConfig, RunRecord, Sa
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, GenerationResult, generate
 from specdec.policy import FixedLength, LengthPolicy
+from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS, PromptLookup
 from specdec.steps import DEFAULT_ALTERNATIVES
 
 ADAPTIVE_START = 4  # the first round's length when nothing is known yet (the server default)
@@ -39,6 +40,12 @@ def alternatives(config: BenchConfig) -> int:
     return DEFAULT_ALTERNATIVES if config.alternatives is None else config.alternatives
 
 
+def prompt_lookup(config: BenchConfig, vocab_size: int) -> PromptLookup | None:
+    """Prompt lookup as served (or as a "+pN" suffix sets it); None when off."""
+    tokens = DEFAULT_LOOKUP_TOKENS if config.lookup_tokens is None else config.lookup_tokens
+    return PromptLookup(vocab_size, tokens) if tokens > 0 else None
+
+
 def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
             result: GenerationResult, seconds: float, chosen: list[int]) -> RunRecord:
     stats = result.stats
@@ -48,6 +55,8 @@ def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
         draft_s=stats.draft_s, draft_forward_s=stats.draft_forward_s, verify_s=stats.verify_s,
         verify_forward_s=stats.verify_forward_s, wire_bytes=stats.wire_bytes, chosen=chosen,
+        lookup_draft_tokens=stats.lookup_draft_tokens,
+        lookup_accepted_tokens=stats.lookup_accepted_tokens,
         token_ids=list(result.token_ids) if mode.temperature == 0 else [])
 
 
@@ -61,7 +70,10 @@ def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
     gen_config = GenerateConfig(max_new_tokens=max_new_tokens, sampling=params,
                                 num_draft_tokens=0, eos_token_ids=eos,
                                 draft_confidence=draft_confidence(config),
-                                num_alternatives=alternatives(config))
+                                num_alternatives=alternatives(config),
+                                prompt_lookup=prompt_lookup(
+                                    config, verifier.runner.vocab.target_vocab_size)
+                                if speculative else None)
     started = time.perf_counter()
     result = generate(drafter if speculative else None, verifier, prompt_ids, gen_config,
                       policy=policy)
@@ -88,6 +100,8 @@ def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
     request.speculation.draft_confidence = draft_confidence(config)
     if config.alternatives is not None and mode.temperature == 0:
         request.speculation.num_alternatives = config.alternatives
+    if config.lookup_tokens is not None:
+        request.speculation.prompt_lookup_tokens = config.lookup_tokens
     return request
 
 
@@ -106,5 +120,6 @@ def run_grpc(config: BenchConfig, mode: SamplingMode, stub: Any, prompt_ids: lis
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
         draft_s=stats.draft_seconds, draft_forward_s=stats.draft_forward_seconds,
         verify_s=stats.verify_seconds, verify_forward_s=stats.verify_forward_seconds,
-        wire_bytes=stats.wire_bytes,
+        wire_bytes=stats.wire_bytes, lookup_draft_tokens=stats.lookup_draft_tokens,
+        lookup_accepted_tokens=stats.lookup_accepted_tokens,
         token_ids=list(response.token_ids) if mode.temperature == 0 else [])

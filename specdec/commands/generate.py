@@ -29,6 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--draft-alternatives", type=int, default=None,
                         help="greedy: also verify this many of the draft's next-best tokens "
                         "each round, 0 = off (default: server's)")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=None,
+                        help="most tokens a prompt-lookup round proposes (copied from "
+                        "earlier text, no draft forward), 0 = off (default: server's)")
     parser.add_argument("--chat", action="store_true", help="apply the chat template")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -42,7 +45,8 @@ def build_request(prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
                   seed: int | None = None, num_draft_tokens: int | None = None,
                   adaptive: bool = False, chat: bool = False,
                   stop: list[str] | None = None, draft_confidence: float | None = None,
-                  num_alternatives: int | None = None) -> Any:
+                  num_alternatives: int | None = None,
+                  prompt_lookup_tokens: int | None = None) -> Any:
     from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2
 
     request = coordinator_pb2.GenerateRequest(
@@ -52,13 +56,15 @@ def build_request(prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
     if seed is not None:
         request.sampling.seed = seed
     if num_draft_tokens is not None or adaptive or draft_confidence is not None \
-            or num_alternatives is not None:
+            or num_alternatives is not None or prompt_lookup_tokens is not None:
         request.speculation.num_draft_tokens = 4 if num_draft_tokens is None else num_draft_tokens
         request.speculation.adaptive = adaptive
     if draft_confidence is not None:
         request.speculation.draft_confidence = draft_confidence
     if num_alternatives is not None:
         request.speculation.num_alternatives = num_alternatives
+    if prompt_lookup_tokens is not None:
+        request.speculation.prompt_lookup_tokens = prompt_lookup_tokens
     return request
 
 
@@ -104,6 +110,9 @@ def stats_table(response: Any, title: str = "generation stats") -> Any:
         ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens/round"),
         ("accepted per position", " ".join(map(str, stats.accepted_per_position)) or "-"),
         ("alternatives verified / kept", f"{stats.alternatives} / {stats.kept_alternatives}"),
+        ("prompt lookup rounds / drafted / accepted",
+         f"{stats.lookup_drafts} / {stats.lookup_draft_tokens} / "
+         f"{stats.lookup_accepted_tokens}"),
         ("total time", f"{stats.total_seconds:.2f} s"),
         ("tokens per second",
          f"{tokens / stats.total_seconds:.1f}" if stats.total_seconds else "-"),
@@ -132,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
         num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive, chat=args.chat,
         stop=args.stop, draft_confidence=args.draft_confidence,
-        num_alternatives=args.draft_alternatives)
+        num_alternatives=args.draft_alternatives,
+        prompt_lookup_tokens=args.prompt_lookup_tokens)
     console = Console()
     echo = None if args.json else (lambda text: print(text, end="", flush=True))
     try:

@@ -7,6 +7,7 @@ import importlib
 
 from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE
 from specdec.config import add_model_settings, add_setting
+from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.settings import add_telemetry_settings
 
@@ -31,6 +32,14 @@ def add_service_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--draft-alternatives", DEFAULT_ALTERNATIVES,
                 "greedy requests also verify this many of the draft's next-best tokens "
                 "beside its chain each round (0 = off; a request may set its own)", type=int)
+    add_setting(parser, "--prompt-lookup-tokens", DEFAULT_LOOKUP_TOKENS,
+                "speculative requests first look the last few tokens up in the text so far "
+                "and propose up to this many of the tokens that followed them, without a "
+                "draft forward (0 = off; a request may set its own)", type=int)
+    add_setting(parser, "--prompt-lookup-min", DEFAULT_MIN_NGRAM,
+                "shortest n-gram prompt lookup matches", type=int)
+    add_setting(parser, "--prompt-lookup-max", DEFAULT_MAX_NGRAM,
+                "longest n-gram prompt lookup matches (tried first)", type=int)
     add_setting(parser, "--max-new-tokens-limit", 2048,
                 "largest max_new_tokens a request may ask for", type=int)
     add_setting(parser, "--draft-timeout-ms", 5000.0,

@@ -15,6 +15,7 @@ from specdec.stack import Stack, start_stack
 FORWARDED = ("target_model", "draft_model", "device", "dtype", "torch_threads",
              "linear_kernel", "attention_kernel", "kv_budget_mb", "session_ttl_s", "max_workers",
              "max_draft_tokens", "num_draft_tokens", "draft_confidence", "draft_alternatives",
+             "prompt_lookup_tokens", "prompt_lookup_min", "prompt_lookup_max",
              "max_new_tokens_limit",
              "draft_timeout_ms", "target_timeout_s", "grace_s")
 

@@ -6,6 +6,8 @@ Counters (coordinator), as vLLM defines them:
 - specdec_num_accepted_tokens_total: proposed tokens the target accepted;
 - specdec_num_accepted_tokens_per_pos_total{position}: acceptances at draft index
   `position` (0-based), so acceptance by position is per_pos[i] / num_drafts.
+- specdec_num_lookup_draft_tokens_total / specdec_num_lookup_accepted_tokens_total: prompt
+  lookup's part of the two token counters (specdec.prompt_lookup).
 Mean acceptance length = 1 + accepted / drafts (the +1 is the correction or bonus token).
 They are counted per round as rounds end, so they move during long requests and sum to
 exactly the GenerationStats a response reports.
@@ -29,6 +31,8 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+
+from specdec.stats import PROMPT_LOOKUP
 
 if TYPE_CHECKING:  # the loop pulls in torch; `specdec traces` should not need it
     from specdec.loop import GenerationResult, RoundEvent
@@ -74,6 +78,12 @@ class CoordinatorMetrics:
             "num_alternatives", "Alternatives verified beside the draft's chain (greedy)")
         self.num_kept_alternatives = counter(
             "num_kept_alternatives", "Alternatives the target kept (also counted as accepted)")
+        self.num_lookup_draft_tokens = counter(
+            "num_lookup_draft_tokens", "Tokens proposed by prompt lookup (also counted as "
+            "draft tokens)")
+        self.num_lookup_accepted_tokens = counter(
+            "num_lookup_accepted_tokens", "Prompt-lookup tokens accepted by the target (also "
+            "counted as accepted)")
         self.num_accepted_tokens_per_pos = counter(
             "num_accepted_tokens_per_pos", "Accepted draft tokens by 0-based draft position",
             ("position",))
@@ -139,6 +149,9 @@ class RequestRecorder:
             m.num_accepted_tokens.inc(event.accepted_len)
             m.num_alternatives.inc(len(event.proposal.alternatives) if event.proposal else 0)
             m.num_kept_alternatives.inc(event.alternative_token is not None)
+            if event.proposal is not None and event.proposal.source == PROMPT_LOOKUP:
+                m.num_lookup_draft_tokens.inc(proposed)
+                m.num_lookup_accepted_tokens.inc(event.accepted_len)
             for position in range(event.accepted_len):
                 m.num_accepted_tokens_per_pos.labels(position=str(position)).inc()
         self._round_started = time.perf_counter()

@@ -49,6 +49,9 @@ PROPOSED = "specdec.round.proposed"
 ACCEPTED = "specdec.round.accepted"  # draft tokens kept, a kept alternative included
 ALTERNATIVES = "specdec.round.alternatives"  # alternatives verified beside the chain
 ALTERNATIVE_KEPT = "specdec.round.alternative_kept"
+# Who proposed: "draft" (the draft model), "prompt_lookup" (copied from earlier text, no
+# Propose call), "" (a target-only round).
+SOURCE = "specdec.round.source"
 EMITTED = "specdec.round.emitted"
 EMITTED_TOKEN_IDS = "specdec.round.emitted_token_ids"
 NEXT_TOKEN_KIND = "specdec.round.next_token_kind"  # "bonus", "correction" or "target"

@@ -202,6 +202,7 @@ class RoundRow:
     network_ms: float | None  # client time not spent inside a server (wire + queueing)
     resyncs: int
     degraded: bool
+    source: str = ""  # who proposed (names.SOURCE)
 
 
 def _children(trace: list[SpanRecord]) -> dict[str, list[SpanRecord]]:
@@ -270,7 +271,7 @@ def round_rows(generate: SpanRecord, trace: list[SpanRecord]) -> list[RoundRow]:
             target_forward_ms=target_forward if target_forward is not None
             else float(a.get(n.VERIFY_FORWARD_MS, 0.0)),
             network_ms=_network_ms(propose, verify), resyncs=int(a.get(n.RESYNCS, 0)),
-            degraded=bool(a.get(n.DEGRADED, False))))
+            degraded=bool(a.get(n.DEGRADED, False)), source=str(a.get(n.SOURCE, ""))))
     rows.sort(key=lambda r: r.index)
     return rows
 

@@ -67,11 +67,12 @@ def summary_panel(s: RequestSummary) -> Panel:
 
 def rounds_table(rows: list[RoundRow]) -> Table:
     table = Table(title="Rounds", title_justify="left")
-    headers = ("#", "start ms", "ms", "pos", "asked", "prop", "acc", "emit", "next",
+    headers = ("#", "start ms", "ms", "pos", "asked", "from", "prop", "acc", "emit", "next",
                "rejected at", "propose ms", "draft fwd", "verify ms", "target fwd", "network",
                "resync")
     for header in headers:
-        table.add_column(header, justify="left" if header in ("pos", "next") else "right")
+        table.add_column(header, justify="left" if header in ("pos", "from", "next")
+                         else "right")
     for r in rows:
         accepted = Text(f"{r.accepted}/{r.proposed}",
                         style="green" if r.proposed and r.accepted == r.proposed else "")
@@ -79,7 +80,8 @@ def rounds_table(rows: list[RoundRow]) -> Table:
             r.next_token, "dim"))
         table.add_row(
             str(r.index), f"{r.start_ms:.1f}", f"{r.duration_ms:.1f}",
-            f"{r.position_before}->{r.position_after}", str(r.asked), str(r.proposed), accepted,
+            f"{r.position_before}->{r.position_after}", str(r.asked),
+            {"prompt_lookup": "lookup"}.get(r.source, r.source or "-"), str(r.proposed), accepted,
             str(r.emitted), next_kind, "-" if r.rejected_at is None else str(r.rejected_at),
             _ms(r.propose_ms), _ms(r.draft_forward_ms), _ms(r.verify_ms),
             _ms(r.target_forward_ms), _ms(r.network_ms),

@@ -59,6 +59,7 @@ def round_attributes(event: RoundEvent, record_tokens: bool) -> dict[str, Attrib
         n.ACCEPTED: event.accepted_len,
         n.ALTERNATIVES: len(proposal.alternatives) if proposal else 0,
         n.ALTERNATIVE_KEPT: event.alternative_token is not None,
+        n.SOURCE: proposal.source if proposal else "",
         n.EMITTED: len(event.emitted),
         n.NEXT_TOKEN_KIND: next_token_kind(event),
         n.RESYNCS: event.resyncs,

@@ -80,6 +80,7 @@ class SpeculationParams(_message.Message):
     ADAPTIVE_FIELD_NUMBER: _builtins.int
     DRAFT_CONFIDENCE_FIELD_NUMBER: _builtins.int
     NUM_ALTERNATIVES_FIELD_NUMBER: _builtins.int
+    PROMPT_LOOKUP_TOKENS_FIELD_NUMBER: _builtins.int
     num_draft_tokens: _builtins.int
     """Tokens drafted per round; 0 = target only."""
     adaptive: _builtins.bool
@@ -93,6 +94,12 @@ class SpeculationParams(_message.Message):
     """Greedy requests: the draft's next-best tokens verified beside its chain each round
     (output unchanged). Absent = the coordinator's SPECDEC_DRAFT_ALTERNATIVES; 0 = off.
     """
+    prompt_lookup_tokens: _builtins.int
+    """Most tokens a prompt-lookup round proposes: the text that followed the latest earlier
+    occurrence of the last few tokens, verified without a draft forward (output
+    unchanged, every sampling mode). Absent = the coordinator's
+    SPECDEC_PROMPT_LOOKUP_TOKENS; 0 = off. Requests with num_draft_tokens = 0 never look up.
+    """
     def __init__(
         self,
         *,
@@ -100,19 +107,24 @@ class SpeculationParams(_message.Message):
         adaptive: _builtins.bool = ...,
         draft_confidence: _builtins.float | None = ...,
         num_alternatives: _builtins.int | None = ...,
+        prompt_lookup_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__draft_confidence: _TypeAlias = _typing.Literal["draft_confidence"]  # noqa: Y015
     _WhichOneofArgType__draft_confidence: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence"]  # noqa: Y015
     _WhichOneofReturnType__num_alternatives: _TypeAlias = _typing.Literal["num_alternatives"]  # noqa: Y015
     _WhichOneofArgType__num_alternatives: _TypeAlias = _typing.Literal["_num_alternatives", b"_num_alternatives"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_lookup_tokens: _TypeAlias = _typing.Literal["prompt_lookup_tokens"]  # noqa: Y015
+    _WhichOneofArgType__prompt_lookup_tokens: _TypeAlias = _typing.Literal["_prompt_lookup_tokens", b"_prompt_lookup_tokens"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__draft_confidence) -> _WhichOneofReturnType__draft_confidence | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_alternatives) -> _WhichOneofReturnType__num_alternatives | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_lookup_tokens) -> _WhichOneofReturnType__prompt_lookup_tokens | None: ...
 
 Global___SpeculationParams: _TypeAlias = SpeculationParams  # noqa: Y015
 
@@ -177,6 +189,9 @@ class GenerationStats(_message.Message):
     WIRE_BYTES_FIELD_NUMBER: _builtins.int
     ALTERNATIVES_FIELD_NUMBER: _builtins.int
     KEPT_ALTERNATIVES_FIELD_NUMBER: _builtins.int
+    LOOKUP_DRAFTS_FIELD_NUMBER: _builtins.int
+    LOOKUP_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     rounds: _builtins.int
     draft_tokens: _builtins.int
     accepted_tokens: _builtins.int
@@ -206,6 +221,10 @@ class GenerationStats(_message.Message):
     alternatives: _builtins.int
     """Alternatives verified beside the draft's chain, and those the target kept."""
     kept_alternatives: _builtins.int
+    lookup_drafts: _builtins.int
+    """Prompt lookup's part of num_drafts, draft_tokens and accepted_tokens."""
+    lookup_draft_tokens: _builtins.int
+    lookup_accepted_tokens: _builtins.int
     @_builtins.property
     def accepted_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """accepted_per_position[i]: rounds that kept draft token i."""
@@ -233,10 +252,13 @@ class GenerationStats(_message.Message):
         wire_bytes: _builtins.int = ...,
         alternatives: _builtins.int = ...,
         kept_alternatives: _builtins.int = ...,
+        lookup_drafts: _builtins.int = ...,
+        lookup_draft_tokens: _builtins.int = ...,
+        lookup_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_rate", b"acceptance_rate", "accepted_per_position", b"accepted_per_position", "accepted_tokens", b"accepted_tokens", "alternatives", b"alternatives", "completion_tokens", b"completion_tokens", "degraded", b"degraded", "draft_forward_seconds", b"draft_forward_seconds", "draft_seconds", b"draft_seconds", "draft_tokens", b"draft_tokens", "first_token_seconds", b"first_token_seconds", "kept_alternatives", b"kept_alternatives", "mean_accepted_length", b"mean_accepted_length", "num_drafts", b"num_drafts", "prompt_tokens", b"prompt_tokens", "resyncs", b"resyncs", "rounds", b"rounds", "total_seconds", b"total_seconds", "verify_forward_seconds", b"verify_forward_seconds", "verify_seconds", b"verify_seconds", "wire_bytes", b"wire_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_rate", b"acceptance_rate", "accepted_per_position", b"accepted_per_position", "accepted_tokens", b"accepted_tokens", "alternatives", b"alternatives", "completion_tokens", b"completion_tokens", "degraded", b"degraded", "draft_forward_seconds", b"draft_forward_seconds", "draft_seconds", b"draft_seconds", "draft_tokens", b"draft_tokens", "first_token_seconds", b"first_token_seconds", "kept_alternatives", b"kept_alternatives", "lookup_accepted_tokens", b"lookup_accepted_tokens", "lookup_draft_tokens", b"lookup_draft_tokens", "lookup_drafts", b"lookup_drafts", "mean_accepted_length", b"mean_accepted_length", "num_drafts", b"num_drafts", "prompt_tokens", b"prompt_tokens", "resyncs", b"resyncs", "rounds", b"rounds", "total_seconds", b"total_seconds", "verify_forward_seconds", b"verify_forward_seconds", "verify_seconds", b"verify_seconds", "wire_bytes", b"wire_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

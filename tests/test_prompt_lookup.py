@@ -1,0 +1,167 @@
+"""Prompt lookup: model-free proposals copied from earlier text, exact in every mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exact_law import chi_square_pvalue, target_law
+from test_greedy_and_kv import PROMPT, hf_greedy
+from tiny_models import tiny_gpt2, tiny_llama
+
+from specdec.adaptive import AdaptiveLength, CostModel
+from specdec.history import TokenHistory
+from specdec.interfaces import Proposal
+from specdec.local import LocalDrafter, LocalVerifier
+from specdec.loop import GenerateConfig, RoundEvent, generate
+from specdec.prompt_lookup import PromptLookup, find_continuation
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from specdec.stats import DRAFT_MODEL, PROMPT_LOOKUP
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def test_the_text_after_the_latest_earlier_occurrence_of_the_tail() -> None:
+    assert find_continuation([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
+    # Two earlier occurrences of the tail (1, 2): the latest one's continuation.
+    assert find_continuation([1, 2, 3, 1, 2, 4, 1, 2], 1) == [4]
+    # A longer matching n-gram wins over a later, shorter one.
+    assert find_continuation([7, 1, 2, 5, 8, 1, 2, 6, 7, 1, 2], 1, max_ngram=3) == [5]
+    assert find_continuation([7, 1, 2, 5, 8, 1, 2, 6, 7, 1, 2], 1, max_ngram=2) == [6]
+
+
+def test_a_repetition_continues_past_the_end_of_the_text() -> None:
+    # The tail (7, 8) last occurred 3 tokens back: period 3, so 9, 7, 8, 9, 7.
+    assert find_continuation([7, 8, 9, 7, 8], 5) == [9, 7, 8, 9, 7]
+    assert find_continuation([4, 4, 4], 4) == [4, 4, 4, 4]
+
+
+def test_no_match_no_proposal() -> None:
+    assert find_continuation([1, 2, 3, 4], 4) == []
+    assert find_continuation([1, 2, 3, 1], 4) == []  # a 1-gram match is below min_ngram=2
+    assert find_continuation([1, 2, 3, 1], 4, min_ngram=1) == [2, 3, 1, 2]
+    assert find_continuation([1, 2, 1, 2], 0) == []
+    assert find_continuation([], 4) == [] and find_continuation([5], 4) == []
+
+
+def test_proposals_carry_a_one_hot_q_when_sampling() -> None:
+    lookup = PromptLookup(vocab_size=10, max_tokens=4)
+    committed = TokenHistory([1, 2, 3, 9, 1, 2])
+    greedy = lookup.propose(committed, 8, SamplingParams())
+    assert greedy is not None and greedy.tokens == [3, 9, 1, 2] and greedy.probs is None
+    assert greedy.source == PROMPT_LOOKUP
+    sampled = lookup.propose(committed, 2, SamplingParams(temperature=1.0))  # limit wins
+    assert sampled is not None and sampled.tokens == [3, 9] and sampled.probs is not None
+    assert torch.equal(sampled.probs, torch.eye(10)[[3, 9]])
+    assert lookup.propose(TokenHistory([1, 2, 3]), 8, SamplingParams()) is None
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        PromptLookup(vocab_size=10, min_ngram=3, max_ngram=2)
+
+
+def _events(target: torch.nn.Module, draft: torch.nn.Module | None, num_draft_tokens: int,
+            lookup: PromptLookup, prompt: list[int], new_tokens: int = 40,
+            params: SamplingParams | None = None, policy: object = None,
+            ) -> tuple[list[int], list[RoundEvent]]:
+    events: list[RoundEvent] = []
+    result = generate(LocalDrafter(ModelRunner(draft)) if draft is not None else None,
+                      LocalVerifier(ModelRunner(target)), prompt,
+                      GenerateConfig(max_new_tokens=new_tokens, num_draft_tokens=num_draft_tokens,
+                                     sampling=params or SamplingParams(), prompt_lookup=lookup),
+                      on_round=events.append, policy=policy)  # type: ignore[arg-type]
+    return result.token_ids, events
+
+
+@pytest.mark.parametrize("make_target", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+def test_greedy_with_prompt_lookup_equals_target_greedy(make_target, num_draft_tokens: int) -> None:
+    target = make_target(16, seed=3)
+    draft = make_target(16, seed=4) if num_draft_tokens else None
+    prompt = PROMPT * 2
+    tokens, events = _events(target, draft, num_draft_tokens,
+                             PromptLookup(16, max_tokens=5), prompt)
+    assert tokens == hf_greedy(target, prompt, 40)
+    lookups = [e for e in events if e.proposal is not None and e.proposal.source == PROMPT_LOOKUP]
+    assert any(e.accepted_len for e in lookups), "no lookup token was kept: path never ran"
+    assert all(e.asked == 0 for e in lookups)  # the draft model sat those rounds out
+    if num_draft_tokens:
+        assert any(e.proposal is not None and e.proposal.source == DRAFT_MODEL for e in events)
+
+
+def test_lookup_rounds_do_not_feed_the_adaptive_policy() -> None:
+    target, draft = tiny_llama(16, seed=3), tiny_llama(16, seed=4, layers=1)
+    policy = AdaptiveLength(2, 4, costs=CostModel())
+    tokens, events = _events(target, draft, 2, PromptLookup(16, max_tokens=5, min_ngram=1),
+                             PROMPT * 2, policy=policy)
+    drafted = [e for e in events if e.proposal is None or e.proposal.source != PROMPT_LOOKUP]
+    assert len(drafted) < len(events)
+    assert policy.rounds == len(drafted)
+    assert tokens == hf_greedy(target, PROMPT * 2, 40)
+
+
+def test_stats_split_out_the_lookup_part() -> None:
+    target, draft = tiny_llama(16, seed=3), tiny_llama(16, seed=4, layers=1)
+    result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                      PROMPT * 2, GenerateConfig(max_new_tokens=40, num_draft_tokens=2,
+                                                 prompt_lookup=PromptLookup(16, min_ngram=1)))
+    stats = result.stats
+    assert 0 < stats.lookup_drafts < stats.num_drafts
+    assert 0 < stats.lookup_draft_tokens < stats.draft_tokens
+    assert stats.lookup_accepted_tokens <= min(stats.accepted_tokens, stats.lookup_draft_tokens)
+
+
+# -- exactness under sampling: the joint law of the first tokens ----------------------------
+VOCAB, LENGTH, SAMPLES = 8, 3, 2500
+LAW_PROMPT = [1, 5, 2, 1, 5]  # 1-gram matches at most positions of an 8-token vocabulary
+
+
+class UniformQLookup(PromptLookup):
+    """A plausible bug: a deterministic proposal reported as if drawn uniformly."""
+
+    def propose(self, committed: TokenHistory, limit: int,
+                params: SamplingParams) -> Proposal | None:
+        proposal = super().propose(committed, limit, params)
+        if proposal is None or proposal.probs is None:
+            return proposal
+        uniform = torch.full_like(proposal.probs, 1.0 / self.vocab_size)
+        return Proposal(proposal.tokens, uniform, proposal.elapsed_s, source=PROMPT_LOOKUP)
+
+
+def _samples(target: torch.nn.Module, draft: torch.nn.Module, params: SamplingParams,
+             lookup: PromptLookup) -> tuple[list[tuple[int, ...]], int]:
+    drafter, verifier = LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target))
+    samples, lookup_tokens = [], 0
+    for seed in range(SAMPLES):
+        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed)
+        result = generate(drafter, verifier, LAW_PROMPT, GenerateConfig(
+            max_new_tokens=LENGTH, sampling=seeded, num_draft_tokens=2, prompt_lookup=lookup,
+            session_id=f"s{seed}"))
+        samples.append(tuple(result.token_ids))
+        lookup_tokens += result.stats.lookup_draft_tokens
+    return samples, lookup_tokens
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=1.0, top_p=0.8)],
+                         ids=["T1", "topp0.8"])
+def test_sampled_law_with_prompt_lookup_matches_target(params: SamplingParams) -> None:
+    target = tiny_llama(VOCAB, seed=11, logit_scale=0.5)
+    draft = tiny_llama(VOCAB, seed=12, layers=1, logit_scale=0.5)
+    with torch.inference_mode():
+        law = target_law(target, LAW_PROMPT, params, LENGTH)
+    samples, lookup_tokens = _samples(target, draft, params,
+                                      PromptLookup(VOCAB, max_tokens=2, min_ngram=1))
+    assert lookup_tokens > SAMPLES  # lookup proposed in most requests: the path is tested
+    assert chi_square_pvalue(samples, law) > 1e-3
+
+
+def test_a_wrong_lookup_q_is_rejected_by_the_same_test() -> None:
+    target = tiny_llama(VOCAB, seed=11, logit_scale=0.5)
+    draft = tiny_llama(VOCAB, seed=12, layers=1, logit_scale=0.5)
+    params = SamplingParams(temperature=1.0)
+    with torch.inference_mode():
+        law = target_law(target, LAW_PROMPT, params, LENGTH)
+    samples, _ = _samples(target, draft, params, UniformQLookup(VOCAB, max_tokens=2, min_ngram=1))
+    assert chi_square_pvalue(samples, law) < 1e-6
