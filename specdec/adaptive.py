@@ -122,10 +122,12 @@ class CostModel:
             if round_s is not None:
                 self.overhead.observe(0, max(0.0, round_s - verify_s - (draft_s or 0.0)))
 
-    def round_seconds(self, k: int) -> float | None:
+    def round_seconds(self, k: int, drafted: bool = True) -> float | None:
+        """A round verifying k proposed tokens; drafted=False: proposed without the draft
+        model (prompt lookup), so no Propose wait."""
         with self._lock:
             verify = self.verify.estimate(k)
-            draft = self.draft.estimate(k, proportional=True) if k else 0.0
+            draft = self.draft.estimate(k, proportional=True) if k and drafted else 0.0
             overhead = self.overhead.estimate(0) or 0.0
         if verify is None or draft is None:
             return None
@@ -203,6 +205,15 @@ class AdaptiveLength:
             if seconds is not None and seconds > 0:
                 out[k] = self.expected_tokens(k) / seconds
         return out
+
+    def rate(self, k: int) -> float | None:
+        """Expected tokens per second of a round drafting k (None: not costed yet)."""
+        seconds = self.costs.round_seconds(k)
+        return self.expected_tokens(k) / seconds if seconds else None
+
+    def undrafted_round_seconds(self, k: int) -> float | None:
+        """A round verifying k tokens that did not come from the draft model."""
+        return self.costs.round_seconds(k, drafted=False)
 
     # -- LengthPolicy ----------------------------------------------------------------------
     def next_length(self) -> int:

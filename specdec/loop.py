@@ -9,6 +9,7 @@ in sync however rounds end. The same loop runs in tests, benchmarks and the coor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 
 from specdec.history import HiddenStateLog, TokenHistory
 from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verifier
-from specdec.policy import DraftBackoff, FixedLength, LengthPolicy
-from specdec.prompt_lookup import PromptLookup
+from specdec.policy import CostedPolicy, DraftBackoff, FixedLength, LengthPolicy
+from specdec.prompt_lookup import LookupEvidence, PromptLookup
 from specdec.rejection import NO_ALTERNATIVES
 from specdec.sampling import SamplingParams
 from specdec.stats import GenerationStats
@@ -98,6 +99,22 @@ def _draft_inputs_ready(committed: TokenHistory) -> bool:
     return log is None or len(log) >= len(committed) - 1
 
 
+def _lookup_to_use(found: Proposal, evidence: LookupEvidence, policy: LengthPolicy,
+                   asked: int) -> Proposal | None:
+    """The lookup hit, cut to its best length, or None when the draft's round (or, with
+    the draft off, a target-only round) is expected to emit tokens faster."""
+    if not isinstance(policy, CostedPolicy):
+        return found
+    keep = evidence.tokens_to_use(len(found.tokens), policy.undrafted_round_seconds,
+                                  policy.rate(asked))
+    if keep == 0:
+        return None
+    if keep == len(found.tokens):
+        return found
+    return dataclasses.replace(found, tokens=found.tokens[:keep],
+                               probs=found.probs[:keep] if found.probs is not None else None)
+
+
 def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int],
              config: GenerateConfig, *, policy: LengthPolicy | None = None,
              decode: Callable[[list[int]], str] | None = None,
@@ -113,6 +130,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
     if drafter is not None and getattr(drafter, "needs_target_hidden", False):
         committed.target_hidden = HiddenStateLog()
     prompt_len = len(committed)
+    lookup_evidence = (LookupEvidence(config.prompt_lookup.max_tokens)
+                       if config.prompt_lookup is not None else None)
     stats = GenerationStats()
     started = time.perf_counter()
     finish_reason = "length"
@@ -124,9 +143,11 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             asked = min(policy.next_length(), remaining - 1)
             if drafter is None or not _draft_inputs_ready(committed):
                 asked = 0
-            proposal = None
+            proposal = found = None
             if config.prompt_lookup is not None and remaining > 1:
-                proposal = config.prompt_lookup.propose(committed, remaining - 1, params)
+                found = config.prompt_lookup.propose(committed, remaining - 1, params)
+            if found is not None and lookup_evidence is not None:
+                proposal = _lookup_to_use(found, lookup_evidence, policy, asked)
             looked_up = proposal is not None
             if looked_up:
                 pass  # the draft model sits this round out; its cache catches up next time
@@ -154,6 +175,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
                     emitted, finish_reason = emitted[: cut + 1], "eos"
                     break
             committed.extend(emitted)
+            if found is not None and lookup_evidence is not None:
+                lookup_evidence.observe(found.tokens, emitted)
             stats.record_round(len(draft_tokens), accepted,
                                len(proposal.alternatives) if proposal else 0,
                                verification.alternative_token is not None,

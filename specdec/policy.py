@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from specdec.interfaces import Proposal, Verification
 
@@ -15,6 +15,20 @@ class LengthPolicy(Protocol):
                 verification: Verification) -> None:
         """asked: the draft length requested this round (0 if no proposal came back);
         the proposal may hold fewer tokens when the confidence gate ended it."""
+        ...
+
+
+@runtime_checkable
+class CostedPolicy(Protocol):
+    """A policy that can price a round (AdaptiveLength): the loop then uses a prompt
+    lookup hit only when it is expected to beat the draft's round."""
+
+    def rate(self, k: int) -> float | None:
+        """Expected tokens per second of a round drafting k (None: not known yet)."""
+        ...
+
+    def undrafted_round_seconds(self, k: int) -> float | None:
+        """Seconds of a round verifying k tokens proposed without the draft model."""
         ...
 
 

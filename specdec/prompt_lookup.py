@@ -8,7 +8,9 @@ a 2-gram match exists at a quarter of greedy positions of the bench prompts and 
 token is the target's 67 % of the time, against 39 % for the draft model
 (docs/benchmarks.md section 4f).
 
-The loop tries it before the draft model each round: a hit costs no draft forward. The
+The loop tries it before the draft model each round: a hit costs no draft forward. With
+an adaptive policy the hit is used only when its expected tokens per second beat the
+draft's (LookupEvidence); a 2-gram match in a story is right about half the time. The
 proposal is deterministic, so its q is one-hot: the rule accepts token x with
 probability p(x) and, on rejection, samples from p with x removed. Exactness holds for
 every sampling mode.
@@ -17,7 +19,7 @@ every sampling mode.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,3 +89,66 @@ class PromptLookup:
             probs = torch.zeros(len(tokens), self.vocab_size)
             probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return Proposal(tokens, probs, time.perf_counter() - started, source=PROMPT_LOOKUP)
+
+
+class LookupEvidence:
+    """Per session: how often the lookup's i-th token turned out to be the target's.
+
+    Every round in which the lookup found a match is evidence, used or not: the emitted
+    tokens have the target's law whoever proposed, so the share of rounds whose emitted
+    token i equals the lookup's (given tokens 1..i-1 did) estimates its acceptance
+    probability p(x_i) in every sampling mode. No exploration is needed to keep the
+    estimate current. Counts are discounted per observation, like the draft's.
+    """
+
+    def __init__(self, max_tokens: int, prior: float = 0.6, prior_strength: float = 2.0,
+                 decay: float = 0.95) -> None:
+        self.prior = prior
+        self.prior_strength = prior_strength
+        self.decay = decay
+        self.trials = [0.0] * (max_tokens + 1)  # per position i >= 1
+        self.accepts = [0.0] * (max_tokens + 1)
+
+    def observe(self, proposed: Sequence[int], emitted: Sequence[int]) -> None:
+        """proposed: the lookup's tokens this round; emitted: the tokens committed."""
+        self.trials = [count * self.decay for count in self.trials]
+        self.accepts = [count * self.decay for count in self.accepts]
+        # Fewer emitted than proposed tokens (a rejection, an end) censor the rest.
+        pairs = zip(proposed, emitted, strict=False)
+        for position, (token, target_token) in enumerate(pairs, start=1):
+            if position >= len(self.trials):
+                break
+            self.trials[position] += 1.0
+            if token != target_token:
+                break
+            self.accepts[position] += 1.0
+
+    def acceptance(self, position: int) -> float:
+        accepts = self.accepts[position] if position < len(self.accepts) else 0.0
+        trials = self.trials[position] if position < len(self.trials) else 0.0
+        return (accepts + self.prior * self.prior_strength) / (trials + self.prior_strength)
+
+    def expected_tokens(self, length: int) -> float:
+        """Tokens a round verifying the first `length` lookup tokens emits on average."""
+        total, survive = 1.0, 1.0
+        for position in range(1, length + 1):
+            survive *= self.acceptance(position)
+            total += survive
+        return total
+
+    def tokens_to_use(self, available: int, round_seconds: Callable[[int], float | None],
+                      rival_rate: float | None) -> int:
+        """How many of `available` lookup tokens to verify: the length with the best
+        expected tokens per second, or 0 when the draft's round (rival_rate, tokens/s) is
+        expected to be faster. Without costs (None) all of them, as a fixed policy does."""
+        if rival_rate is None:
+            return available
+        best_length, best_rate = 0, rival_rate
+        for length in range(1, available + 1):
+            seconds = round_seconds(length)
+            if seconds is None or seconds <= 0:
+                return available
+            rate = self.expected_tokens(length) / seconds
+            if rate > best_rate:
+                best_length, best_rate = length, rate
+        return best_length

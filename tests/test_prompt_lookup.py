@@ -13,7 +13,8 @@ from specdec.history import TokenHistory
 from specdec.interfaces import Proposal
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.prompt_lookup import PromptLookup, find_continuation
+from specdec.policy import FixedLength
+from specdec.prompt_lookup import LookupEvidence, PromptLookup, find_continuation
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.stats import DRAFT_MODEL, PROMPT_LOOKUP
@@ -112,6 +113,70 @@ def test_stats_split_out_the_lookup_part() -> None:
     assert stats.lookup_accepted_tokens <= min(stats.accepted_tokens, stats.lookup_draft_tokens)
 
 
+def test_evidence_counts_the_lookup_tokens_the_target_emitted() -> None:
+    evidence = LookupEvidence(max_tokens=4, prior=0.5, prior_strength=2.0, decay=1.0)
+    assert evidence.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)  # the prior alone
+    evidence.observe([3, 9, 1], [3, 9, 4])  # two kept, the third was not the target's
+    evidence.observe([5, 6], [7])  # rejected at once; position 2 was never tried
+    assert evidence.trials[1:4] == [2.0, 1.0, 1.0] and evidence.accepts[1:4] == [1.0, 1.0, 0.0]
+    assert evidence.acceptance(1) == pytest.approx((1 + 1) / (2 + 2))
+    assert evidence.acceptance(3) == pytest.approx((0 + 1) / (1 + 2))
+    decayed = LookupEvidence(max_tokens=2, decay=0.5)
+    decayed.observe([1], [1])
+    decayed.observe([1], [2])
+    assert decayed.trials[1] == 1.5 and decayed.accepts[1] == 0.5
+
+
+def test_evidence_chooses_the_fastest_length_or_the_draft() -> None:
+    evidence = LookupEvidence(max_tokens=4, prior=0.5, prior_strength=2.0)
+    flat = {length: 1.0 for length in range(5)}
+    # Without prices (a fixed policy) every token found is verified.
+    assert evidence.tokens_to_use(3, flat.get, None) == 3
+    # Verification costs the same for any length: the longest emits most.
+    assert evidence.tokens_to_use(3, flat.get, rival_rate=1.0) == 3
+    # A round of 2 costs 3x one of 1: 1.5 tokens/s beats 1.75 / 3.
+    steep = {1: 1.0, 2: 3.0, 3: 3.0}
+    assert evidence.tokens_to_use(3, steep.get, rival_rate=1.0) == 1
+    # The draft's round is expected to be faster than any lookup length: no lookup.
+    assert evidence.tokens_to_use(3, flat.get, rival_rate=2.0) == 0
+    # A length not costed yet: no basis to choose, so all of them.
+    assert evidence.tokens_to_use(3, {1: 1.0}.get, rival_rate=1.0) == 3
+
+
+class PricedPolicy(FixedLength):
+    """A fixed length with fixed prices: stands in for AdaptiveLength's estimates."""
+
+    def __init__(self, num_draft_tokens: int, draft_rate: float,
+                 lookup_seconds: dict[int, float]) -> None:
+        super().__init__(num_draft_tokens)
+        self.draft_rate = draft_rate
+        self.lookup_seconds = lookup_seconds
+
+    def rate(self, k: int) -> float | None:
+        return self.draft_rate
+
+    def undrafted_round_seconds(self, k: int) -> float | None:
+        return self.lookup_seconds.get(k, 100.0)
+
+
+@pytest.mark.parametrize("draft_rate, lookup_seconds, lookup_lengths", [
+    (1e6, {}, set()),  # the draft's rounds are priced far above any lookup
+    (0.0, {1: 1.0}, {1}),  # lookup rounds past one token priced out
+], ids=["declined", "cut-to-1"])
+def test_a_priced_policy_gates_and_cuts_lookup_hits(draft_rate: float,
+                                                    lookup_seconds: dict[int, float],
+                                                    lookup_lengths: set[int]) -> None:
+    target, draft = tiny_llama(16, seed=3), tiny_llama(16, seed=4, layers=1)
+    lookup = PromptLookup(16, max_tokens=5, min_ngram=1)
+    _, unpriced = _events(target, draft, 2, lookup, PROMPT * 2)
+    assert any(e.proposal is not None and e.proposal.source == PROMPT_LOOKUP for e in unpriced)
+    tokens, events = _events(target, draft, 2, lookup, PROMPT * 2,
+                             policy=PricedPolicy(2, draft_rate, lookup_seconds))
+    assert tokens == hf_greedy(target, PROMPT * 2, 40)
+    assert {len(e.proposal.tokens) for e in events
+            if e.proposal is not None and e.proposal.source == PROMPT_LOOKUP} == lookup_lengths
+
+
 # -- exactness under sampling: the joint law of the first tokens ----------------------------
 VOCAB, LENGTH, SAMPLES = 8, 3, 2500
 LAW_PROMPT = [1, 5, 2, 1, 5]  # 1-gram matches at most positions of an 8-token vocabulary
@@ -130,29 +195,35 @@ class UniformQLookup(PromptLookup):
 
 
 def _samples(target: torch.nn.Module, draft: torch.nn.Module, params: SamplingParams,
-             lookup: PromptLookup) -> tuple[list[tuple[int, ...]], int]:
+             lookup: PromptLookup, cut_to_one: bool = False,
+             ) -> tuple[list[tuple[int, ...]], int]:
     drafter, verifier = LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target))
     samples, lookup_tokens = [], 0
     for seed in range(SAMPLES):
         seeded = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed)
+        # cut_to_one: every hit verified as its first token alone (one-hot q cut to 1 row).
+        policy = PricedPolicy(2, 0.0, {1: 1.0}) if cut_to_one else None
         result = generate(drafter, verifier, LAW_PROMPT, GenerateConfig(
             max_new_tokens=LENGTH, sampling=seeded, num_draft_tokens=2, prompt_lookup=lookup,
-            session_id=f"s{seed}"))
+            session_id=f"s{seed}"), policy=policy)
         samples.append(tuple(result.token_ids))
         lookup_tokens += result.stats.lookup_draft_tokens
     return samples, lookup_tokens
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=1.0, top_p=0.8)],
-                         ids=["T1", "topp0.8"])
-def test_sampled_law_with_prompt_lookup_matches_target(params: SamplingParams) -> None:
+@pytest.mark.parametrize("params, cut_to_one", [
+    (SamplingParams(temperature=1.0), False),
+    (SamplingParams(temperature=1.0, top_p=0.8), False),
+    (SamplingParams(temperature=1.0), True),
+], ids=["T1", "topp0.8", "T1-cut"])
+def test_sampled_law_with_prompt_lookup_matches_target(params: SamplingParams,
+                                                       cut_to_one: bool) -> None:
     target = tiny_llama(VOCAB, seed=11, logit_scale=0.5)
     draft = tiny_llama(VOCAB, seed=12, layers=1, logit_scale=0.5)
     with torch.inference_mode():
         law = target_law(target, LAW_PROMPT, params, LENGTH)
     samples, lookup_tokens = _samples(target, draft, params,
-                                      PromptLookup(VOCAB, max_tokens=2, min_ngram=1))
+                                      PromptLookup(VOCAB, max_tokens=2, min_ngram=1), cut_to_one)
     assert lookup_tokens > SAMPLES  # lookup proposed in most requests: the path is tested
     assert chi_square_pvalue(samples, law) > 1e-3
 
