@@ -4,16 +4,25 @@
 its first call still runs; interleaved extends would scramble the cache) and expires
 sessions nobody released: a coordinator that crashed mid-generation must not pin KV
 memory forever. ModelRunner itself only knows LRU eviction under its byte budget.
+
+Model work runs on one compute thread per process, whichever gRPC worker received the
+call. OpenMP keeps a thread team per calling thread: calls landing on whichever of 32
+workers is free started or woke a different team each time, which made 2 intra-op
+threads slower than 1 in a service (docs/benchmarks.md section 4g). One thread reuses
+one team. Forwards of different sessions queue instead of running side by side, which
+on a CPU they could only do by splitting the same cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -42,14 +51,17 @@ class SessionTable:
         self._last_used: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     def call(self, session_id: str, work: Callable[[], T]) -> T:
+        """Run work on the compute thread, after the session's earlier calls."""
         with self._guard:
             lock = self._locks.setdefault(session_id, threading.Lock())
             self._last_used[session_id] = self._clock()
         with lock:
             try:
-                return work()
+                # The caller's context (its tracing span) goes along to the compute thread.
+                return self._compute.submit(contextvars.copy_context().run, work).result()
             finally:
                 with self._guard:
                     if session_id in self._locks:
@@ -93,6 +105,7 @@ class SessionTable:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._compute.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True)

@@ -89,13 +89,16 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     for role in ROLES:
         ports[role] = ports.get(role) or free_port(host)
     stack = Stack(host, ports)
-    # The draft and target alternate on the same cores. By default OpenMP threads spin
-    # for a while after each parallel region, so the idle process's spinning threads
-    # slowed the other's forward ~7x here (2 cores). Passive waiting has its own cost:
-    # waking the team for each of a forward's ~200 small GEMMs (2 threads: T_target(1)
-    # 37 -> 63 ms with the skinny kernel), so on a small machine `--torch-threads 1` per
-    # service is faster still (target-only over gRPC: 18.8 vs 14.4 tok/s on 2 cores).
-    child_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
+    # The draft and target alternate on the same cores. OpenMP threads spin after each
+    # parallel region (libgomp: 300,000 spins, ~3 ms), so an idle service's threads
+    # slowed the busy one's forward ~7x here (2 cores); fully passive waiting wakes the
+    # team for each of a forward's ~200 small GEMMs instead (T_target(1) 37 -> 63 ms).
+    # A short spin (~0.3 ms) covers the gaps inside a forward and ends before the other
+    # service's turn: with each service's forwards on one compute thread
+    # (specdec.model_service), 2 threads each beat 1 thread each (target-only over
+    # gRPC 25.0-26.4 against 17.7-21.3 tok/s; docs/benchmarks.md section 4g).
+    child_env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000",
+                 **os.environ, **(env or {})}
     for role in ("target", "draft", "coordinator"):
         command = [sys.executable, "-m", "specdec.cli", "serve", role, "--host", host,
                    "--port", str(ports[role]), *service_args, *(role_args or {}).get(role, ())]

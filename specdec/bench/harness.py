@@ -59,9 +59,9 @@ class BenchSettings:
     torch_threads: int = 0
     linear_kernel: str = "auto"
     attention_kernel: str = "auto"
-    # The three services share this machine's cores: one thread each (measured here, 2
-    # cores: target-only over gRPC 18.8 tok/s at 1 thread vs 14.4 at 2 passive threads).
-    grpc_torch_threads: int = 1
+    # Threads of each service process (0 = torch default, as `specdec up`); with forwards
+    # on one compute thread and a short OpenMP spin, 2 beat 1 here (specdec/stack.py).
+    grpc_torch_threads: int = 0
     modes: tuple[str, ...] = tuple(MODES)
     systems: tuple[str, ...] = SYSTEMS
     lengths: tuple[str, ...] = LENGTHS

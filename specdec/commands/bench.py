@@ -34,9 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
     add_kernel_settings(parser)
-    parser.add_argument("--grpc-torch-threads", type=int, default=1,
+    parser.add_argument("--grpc-torch-threads", type=int, default=0,
                         help="torch threads of each `specdec serve` process of the gRPC "
-                        "system (they share the machine's cores; 0 = torch default)")
+                        "system (0 = torch default, as `specdec up` starts them)")
     parser.add_argument("--quick", action="store_true",
                         help="greedy, 1 prompt per category, k in 2,4,adaptive,adaptive+a0, "
                         "32 tokens (under 3 minutes on 2 cores); explicit flags still win")
