@@ -201,15 +201,15 @@ class AdaptiveLength:
         """Expected tokens per second for each k that can be costed now."""
         out: dict[int, float] = {}
         for k in range(0 if self.allow_zero else 1, self.max_length + 1):
-            seconds = self.costs.round_seconds(k)
-            if seconds is not None and seconds > 0:
-                out[k] = self.expected_tokens(k) / seconds
+            rate = self.rate(k)
+            if rate is not None:
+                out[k] = rate
         return out
 
     def rate(self, k: int) -> float | None:
         """Expected tokens per second of a round drafting k (None: not costed yet)."""
         seconds = self.costs.round_seconds(k)
-        return self.expected_tokens(k) / seconds if seconds else None
+        return self.expected_tokens(k) / seconds if seconds is not None and seconds > 0 else None
 
     def undrafted_round_seconds(self, k: int) -> float | None:
         """A round verifying k tokens that did not come from the draft model."""
