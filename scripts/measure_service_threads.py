@@ -4,14 +4,16 @@ Starts the stack (`specdec.stack.start_stack`, as `specdec up` does) once per va
 sends the same greedy requests through the coordinator: target-only (k = 0) and adaptive
 speculation, 2 repeats of 8 bench prompts, the second repeat timed. A variant is
 `THREADS[/DRAFT_THREADS][:KEY=VALUE,...][@WORKERS]`: torch threads of the target (and of
-the draft, default the same), environment for the services (OpenMP settings), and the
-gRPC worker threads of both model services (default: as served). docs/benchmarks.md
-section 4g:
+the draft, default the same), environment for the services (OpenMP settings; a key
+`draft.NAME` or `target.NAME` sets NAME for that service only), and the gRPC worker
+threads of both model services (default: as served). docs/benchmarks.md section 4g:
 
     .venv/bin/python scripts/measure_service_threads.py 1 2 2:GOMP_SPINCOUNT=300000
 
-Medians of tokens/s per request. Variants run in the order given; interleave repeats of
-them (`2 1 2 1`) on a noisy machine.
+Medians of tokens/s per request, and for adaptive the mean per-round split of the
+loop's time: draft and target model time, the wait on each beyond it (transport,
+request handling, waking up), and the rest. Variants run in the order given; interleave
+repeats of them (`2 1 2 1`) on a noisy machine.
 """
 
 from __future__ import annotations
@@ -32,17 +34,39 @@ from specdec.bench.prompts import chat_encoder, load_prompts, select  # noqa: E4
 from specdec.bench.systems import grpc_request  # noqa: E402
 from specdec.draft_fallback import default_draft_or_truncated  # noqa: E402
 from specdec.models import DEFAULT_TARGET, load_tokenizer  # noqa: E402
-from specdec.proto.specdec.v1 import coordinator_pb2_grpc  # noqa: E402
+from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 from specdec.stack import start_stack  # noqa: E402
 
+ROLES = ("draft", "target")
 
-def parse_variant(text: str) -> tuple[int, int, dict[str, str], int | None]:
+
+def parse_variant(text: str) -> tuple[int, int, dict[str, dict[str, str]], int | None]:
+    """Threads of target and draft, environment per role ("" = every service), workers."""
     rest, _, workers = text.partition("@")
     threads, _, env_text = rest.partition(":")
     target_threads, _, draft_threads = threads.partition("/")
-    env = dict(item.split("=", 1) for item in env_text.split(",") if item)
+    env: dict[str, dict[str, str]] = {"": {}, **{role: {} for role in ROLES}}
+    for item in filter(None, env_text.split(",")):
+        key, _, value = item.partition("=")
+        role, dot, name = key.partition(".")
+        if dot and role in ROLES:
+            env[role][name] = value
+        else:
+            env[""][key] = value
     return (int(target_threads), int(draft_threads or target_threads), env,
             int(workers) if workers else None)
+
+
+def round_split(stats: list[coordinator_pb2.GenerationStats]) -> str:
+    """Mean ms per round: draft model / wait beyond it, target model / wait, the rest."""
+    rounds = sum(s.rounds for s in stats)
+    parts = {
+        "draft": sum(s.draft_forward_seconds for s in stats),
+        "draft wait": sum(s.draft_seconds - s.draft_forward_seconds for s in stats),
+        "target": sum(s.verify_forward_seconds for s in stats),
+        "target wait": sum(s.verify_seconds - s.verify_forward_seconds for s in stats),
+        "other": sum(s.total_seconds - s.draft_seconds - s.verify_seconds for s in stats)}
+    return ", ".join(f"{name} {1000 * value / rounds:.1f}" for name, value in parts.items())
 
 
 def main() -> int:
@@ -61,13 +85,14 @@ def main() -> int:
         role_args: dict[str, Sequence[str]] = {
             "target": ["--torch-threads", str(target_threads), *extra],
             "draft": ["--torch-threads", str(draft_threads), *extra]}
-        stack = start_stack("127.0.0.1", {}, served, env={"SPECDEC_TRACING": "off", **env},
-                            role_args=role_args)
+        stack = start_stack("127.0.0.1", {}, served, env={"SPECDEC_TRACING": "off", **env[""]},
+                            role_args=role_args, role_env={role: env[role] for role in ROLES})
         try:
             stack.wait_healthy(300)
             channel = grpc.insecure_channel(stack.endpoint("coordinator"))
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             rates = {}
+            stats: list[coordinator_pb2.GenerationStats] = []
             for length in ("0", "adaptive"):
                 timed = []
                 for repeat in range(2):  # the first warms the services' caches and costs
@@ -79,6 +104,8 @@ def main() -> int:
                         if repeat:
                             timed.append(len(response.token_ids)
                                          / (time.perf_counter() - started))
+                            if length == "adaptive":
+                                stats.append(response.stats)
                 rates[length] = statistics.median(timed)
             channel.close()
         finally:
@@ -86,6 +113,7 @@ def main() -> int:
         print(f"{variant:<32} target-only {rates['0']:6.2f} tok/s  adaptive "
               f"{rates['adaptive']:6.2f} tok/s  ratio {rates['adaptive'] / rates['0']:.2f}",
               flush=True)
+        print(f"{'':<32} adaptive per round, ms: {round_split(stats)}", flush=True)
     return 0
 
 

@@ -79,11 +79,13 @@ class Stack:
 def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
                 service_args: Sequence[str] = (), log_dir: Path | None = None,
                 env: dict[str, str] | None = None,
-                role_args: dict[str, Sequence[str]] | None = None) -> Stack:
+                role_args: dict[str, Sequence[str]] | None = None,
+                role_env: dict[str, dict[str, str]] | None = None) -> Stack:
     """Start the three `specdec serve` processes; call wait_healthy() next.
 
     Children get their own session, so a Ctrl-C in the terminal reaches only the parent,
-    which then stops them in order. role_args: extra flags for one role (they win).
+    which then stops them in order. role_args / role_env: extra flags / environment for
+    one role (they win).
     """
     ports = dict(ports or {})
     for role in ROLES:
@@ -112,6 +114,6 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
             output = open(stack.logs[role], "wb")  # noqa: SIM115 - closed by stop()
             stack._files.append(output)
         stack.processes[role] = subprocess.Popen(
-            command, env=child_env, stdout=output, stderr=subprocess.STDOUT if output else None,
-            start_new_session=True)
+            command, env={**child_env, **(role_env or {}).get(role, {})}, stdout=output,
+            stderr=subprocess.STDOUT if output else None, start_new_session=True)
     return stack
