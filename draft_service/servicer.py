@@ -10,9 +10,9 @@ from specdec.errors import InvalidRequest
 from specdec.grpc_server import Service
 from specdec.grpc_status import rpc_errors
 from specdec.model_service import SessionTable
-from specdec.proto.specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.proto.specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
-from specdec.steps import draft_step
+from specdec.steps import DraftOutput, draft_step
 from specdec.telemetry.service import Telemetry
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
@@ -46,21 +46,29 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if not 0 <= request.num_alternatives <= MAX_QUERY_ROWS:
             raise InvalidRequest(f"num_alternatives must be in [0, {MAX_QUERY_ROWS}], got "
                                  f"{request.num_alternatives}")
-        target_hidden = None
-        if self.runner.needs_target_hidden:
-            if not request.HasField("target_hidden_states"):
-                raise InvalidRequest(
-                    "this draft reads the target's hidden states: send target_hidden_states "
-                    "(one row per sync.append_tokens token; see Describe)")
-            target_hidden = wire.decode_hidden(request.target_hidden_states, len(sync.append),
-                                               self.runner.target_hidden_size,
-                                               "target_hidden_states")
-        elif request.HasField("target_hidden_states"):
+        if self.runner.needs_target_hidden and not request.HasField("target_hidden_states"):
+            raise InvalidRequest(
+                "this draft reads the target's hidden states: send target_hidden_states "
+                "(one row per sync.append_tokens token; see Describe)")
+        if not self.runner.needs_target_hidden and request.HasField("target_hidden_states"):
             raise InvalidRequest("target_hidden_states given to a draft that does not read "
                                  "them (Describe reports target_hidden_size 0)")
-        out = self.sessions.call(sync.session_id, lambda: draft_step(
-            self.runner, sync, request.num_tokens, params, request.min_confidence,
-            target_hidden, request.num_alternatives))
+
+        def work() -> tuple[DraftOutput, common_pb2.DraftProbs | None]:
+            # Tensor work stays on the compute thread (see SessionTable.call).
+            target_hidden = None
+            if self.runner.needs_target_hidden:
+                target_hidden = wire.decode_hidden(
+                    request.target_hidden_states, len(sync.append),
+                    self.runner.target_hidden_size, "target_hidden_states")
+            out = draft_step(self.runner, sync, request.num_tokens, params,
+                             request.min_confidence, target_hidden, request.num_alternatives)
+            # Rows are over the draft's own columns; the token map (if any) names them.
+            probs = (None if out.probs is None
+                     else wire.encode_probs(out.probs, self.runner.vocab.token_map))
+            return out, probs
+
+        out, probs = self.sessions.call(sync.session_id, work)
         # Catch-up tokens in one forward, then one step per further draft token.
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=len(sync.append) + len(out.tokens) - 1,
@@ -70,9 +78,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                              forward_seconds=out.forward_s)
         if out.alternatives:
             response.alternatives.CopyFrom(wire.alternatives_to_proto(out.alternatives))
-        if out.probs is not None:
-            # Rows are over the draft's own columns; the token map (if any) names them.
-            response.probs.CopyFrom(wire.encode_probs(out.probs, self.runner.vocab.token_map))
+        if probs is not None:
+            response.probs.CopyFrom(probs)
         return response
 
     @rpc_errors

@@ -54,7 +54,14 @@ class SessionTable:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     def call(self, session_id: str, work: Callable[[], T]) -> T:
-        """Run work on the compute thread, after the session's earlier calls."""
+        """Run work on the compute thread, after the session's earlier calls.
+
+        Every tensor op of a request belongs in work, not only the forward: a torch op on
+        a gRPC worker thread starts another OpenMP team there, and once a process holds
+        more OpenMP threads than cores libgomp shortens every team's spin, so the
+        forward's team sleeps between its GEMMs (T=1 Verify forwards went 35 -> 55 ms
+        after probabilities were decoded on worker threads; docs/benchmarks.md 4g).
+        """
         with self._guard:
             lock = self._locks.setdefault(session_id, threading.Lock())
             self._last_used[session_id] = self._clock()

@@ -11,9 +11,9 @@ from specdec.errors import InvalidRequest
 from specdec.grpc_server import Service
 from specdec.grpc_status import rpc_errors
 from specdec.model_service import SessionTable
-from specdec.proto.specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.proto.specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.runner import ModelRunner
-from specdec.steps import verify_step
+from specdec.steps import VerifyOutput, verify_step
 from specdec.telemetry import names
 from specdec.telemetry.service import Telemetry
 
@@ -51,15 +51,20 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if len(alternatives) > MAX_QUERY_ROWS:
             raise InvalidRequest(f"alternatives holds {len(alternatives)} tokens, more than "
                                  f"{MAX_QUERY_ROWS}")
-        probs = None
-        if draft_tokens and not params.greedy:
-            probs = wire.decode_probs(request.draft_probs, len(draft_tokens), vocab)
-            drawn = probs[torch.arange(len(draft_tokens)), torch.tensor(draft_tokens)]
-            if bool((drawn <= 0).any()):  # a token cannot come from a row that excludes it
-                raise InvalidRequest("draft_probs gives probability 0 to a draft token")
-        out = self.sessions.call(sync.session_id, lambda: verify_step(
-            self.runner, sync, draft_tokens, probs, params, request.return_hidden_states,
-            alternatives))
+
+        def work() -> tuple[VerifyOutput, common_pb2.HiddenStates | None]:
+            # Tensor work stays on the compute thread (see SessionTable.call).
+            probs = None
+            if draft_tokens and not params.greedy:
+                probs = wire.decode_probs(request.draft_probs, len(draft_tokens), vocab)
+                drawn = probs[torch.arange(len(draft_tokens)), torch.tensor(draft_tokens)]
+                if bool((drawn <= 0).any()):  # a token cannot come from a row excluding it
+                    raise InvalidRequest("draft_probs gives probability 0 to a draft token")
+            out = verify_step(self.runner, sync, draft_tokens, probs, params,
+                              request.return_hidden_states, alternatives)
+            return out, None if out.hidden is None else wire.encode_hidden(out.hidden)
+
+        out, hidden = self.sessions.call(sync.session_id, work)
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=out.tokens_processed,
             kv_length=out.kv_length, committed_position=sync.committed_position,
@@ -70,8 +75,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             kv_length=out.kv_length, forward_seconds=out.forward_s)
         if out.verdict.alternative >= 0:
             response.kept_alternative = out.verdict.alternative
-        if out.hidden is not None:
-            response.hidden_states.CopyFrom(wire.encode_hidden(out.hidden))
+        if hidden is not None:
+            response.hidden_states.CopyFrom(hidden)
         return response
 
     @rpc_errors
