@@ -3,6 +3,7 @@ reproducibility, restarts, a failing draft or target, cancellation, concurrency.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -427,3 +428,29 @@ def test_concurrent_requests_equal_sequential_ones(services) -> None:
     assert concurrent == sequential
     assert len(set(map(tuple, sequential))) > 1
     assert bad_codes == [grpc.StatusCode.INVALID_ARGUMENT] * 10
+
+
+def test_wire_tensor_work_runs_on_the_compute_thread(services, monkeypatch) -> None:
+    """Probabilities are decoded and encoded on each service's compute thread: a torch op
+    on a gRPC worker thread starts another OpenMP team, which shortens the spin of the
+    forward's team (specdec.model_service.SessionTable.call)."""
+    from specdec import wire
+
+    # (function, calling module) -> threads; the coordinator shares this test process.
+    threads: dict[tuple[str, str], set[str]] = {}
+    for name in ("encode_probs", "decode_probs"):
+        original = getattr(wire, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            caller = sys._getframe(1).f_globals["__name__"]
+            threads.setdefault((_name, caller), set()).add(threading.current_thread().name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(wire, name, spy)
+    response = services.stub.Generate(request(max_new_tokens=12, temperature=1.0, seed=4))
+    assert response.stats.draft_tokens > 0
+    services_calls = {key: seen for key, seen in threads.items()
+                      if key[1] in ("draft_service.servicer", "target_service.servicer")}
+    assert {name for name, _ in services_calls} == {"encode_probs", "decode_probs"}
+    for key, seen in services_calls.items():
+        assert all(thread.startswith("compute") for thread in seen), (key, seen)
