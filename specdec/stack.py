@@ -91,14 +91,14 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     for role in ROLES:
         ports[role] = ports.get(role) or free_port(host)
     stack = Stack(host, ports)
-    # The draft and target alternate on the same cores. OpenMP threads spin after each
-    # parallel region (libgomp: 300,000 spins, ~3 ms), so an idle service's threads
-    # slowed the busy one's forward ~7x here (2 cores); fully passive waiting wakes the
+    # The draft and target alternate on the same cores. Before forwards ran on one
+    # compute thread per service, libgomp's default spin let an idle service's threads
+    # slow the busy one's forward ~7x here (2 cores); fully passive waiting wakes the
     # team for each of a forward's ~200 small GEMMs instead (T_target(1) 37 -> 63 ms).
-    # A short spin (~0.3 ms) covers the gaps inside a forward and ends before the other
-    # service's turn: with each service's forwards on one compute thread
-    # (specdec.model_service), 2 threads each beat 1 thread each (target-only over
-    # gRPC 25.0-26.4 against 17.7-21.3 tok/s; docs/benchmarks.md section 4g).
+    # A short spin covers the gaps inside a forward: with each service's tensor work on
+    # one compute thread (specdec.model_service), 2 threads each beat 1 thread each
+    # (target-only over gRPC 25.0-26.4 against 17.7-21.3 tok/s). A 10x longer spin
+    # (300000) measured level with this one (docs/benchmarks.md section 4g).
     child_env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000",
                  **os.environ, **(env or {})}
     for role in ("target", "draft", "coordinator"):
