@@ -5,9 +5,10 @@ round only for policies that can price rounds (specdec.policy.CostedPolicy). Her
 length "adaptive@0.4" (the default confidence gate, written out) runs the same
 AdaptiveLength behind a wrapper without those methods, so the loop verifies every hit in
 full, as before the gate; "adaptive" is the gated default. In-process systems only (the
-services always gate adaptive requests). docs/benchmarks.md section 4g:
+services always gate adaptive requests). docs/benchmarks.md section 4g quotes the results;
+the run's output directory was not committed:
 
-    .venv/bin/python scripts/bench_lookup_gate.py --out docs/bench-lookup-gate \
+    .venv/bin/python scripts/bench_lookup_gate.py --out /tmp/bench-lookup-gate \
         --systems target-only,specdec-local --lengths adaptive+p0,adaptive@0.4,adaptive \
         --modes greedy --prompts-per-category 3 --repeats 2 --max-new-tokens 64
 """
