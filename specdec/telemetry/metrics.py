@@ -141,7 +141,9 @@ class RequestRecorder:
         if event.degraded:
             m.degraded_rounds.inc()
         proposed = len(event.proposal.tokens) if event.proposal else 0
-        if event.proposal is not None:
+        # A prompt-lookup round makes no Propose call: its microseconds of n-gram search
+        # would drag the histogram towards zero.
+        if event.proposal is not None and event.proposal.source != PROMPT_LOOKUP:
             m.propose_latency.observe(event.proposal.elapsed_s)
         if proposed:  # the same rule as GenerationStats.record_round
             m.num_drafts.inc()
