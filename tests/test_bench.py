@@ -23,7 +23,7 @@ from specdec.bench.costs import (
 )
 from specdec.bench.harness import BenchModels, BenchSettings, run_bench
 from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
-from specdec.commands.bench import add_parser, settings_from_args, write_outputs
+from specdec.commands.bench import add_parser, load_result, settings_from_args, write_outputs
 from specdec.draft_training.prompts import generate_prompts
 from specdec.draft_training.wide_prompts import generate_wide_prompts
 from specdec.steps import DEFAULT_ALTERNATIVES
@@ -158,6 +158,12 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
     plots = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     assert plots == ["breakdown-greedy.png", "breakdown-t1.png", "speedup-greedy.png",
                      "speedup-t1.png"]
+    # --report-from: the same JSON and markdown again, from the JSON alone
+    again, command = load_result(tmp_path / "out")
+    assert command == "specdec bench --tiny"
+    rewritten = write_outputs(again, tmp_path / "again", command)
+    assert json.loads(rewritten["json"].read_text()) == data
+    assert rewritten["markdown"].read_text() == markdown
 
 
 def test_alternatives_suffix_sets_the_alternatives_and_keeps_the_length() -> None:
@@ -212,6 +218,28 @@ def test_gate_suffix_sets_the_confidence_gate() -> None:
     for bad in ("3@0.5", "adaptive@2", "adaptive@x"):
         with pytest.raises(ValueError, match="confidence gate"):
             build_configs(("specdec-local",), (bad,))
+
+
+def test_lookup_share_counts_prompt_lookup_part_of_drafted_tokens() -> None:
+    from specdec.bench.configs import RunRecord
+    from specdec.bench.markdown import round_table
+    from specdec.bench.report import group_stats
+
+    curve = CostCurve("test", {1: 0.03, 2: 0.03, 3: 0.03}, 0.005)
+    # 10 drafted tokens, 4 of them from prompt lookup, of which 3 were accepted
+    rows = [RunRecord("l", "specdec-local", "2", "greedy", "p", "chat", 0, 5, 12, 0.5,
+                      rounds=5, num_drafts=5, draft_tokens=10, accepted_tokens=7,
+                      verify_s=0.4, verify_forward_s=0.3, lookup_draft_tokens=4,
+                      lookup_accepted_tokens=3)]
+    stats = group_stats(rows, curve)
+    assert stats["lookup_share"] == pytest.approx(0.4)
+    assert stats["lookup_acceptance_rate"] == pytest.approx(0.75)
+    table = round_table({"specdec-local k=2": {"system": "specdec-local", "all": stats}})
+    assert table[-1].endswith("| 40% (75%) |")
+    plain = group_stats([RunRecord("n", "specdec-local", "2", "greedy", "p", "chat", 0, 5, 12,
+                                   0.5, rounds=5, num_drafts=5, draft_tokens=10,
+                                   accepted_tokens=7)], curve)
+    assert plain["lookup_share"] == 0 and plain["lookup_acceptance_rate"] is None
 
 
 def test_same_shape_bound_uses_the_services_own_forward_times() -> None:

@@ -84,7 +84,12 @@ class CostCurve:
         return cls(str(data["label"]), target, float(data["t_draft_1_s"]),  # type: ignore[arg-type]
                    context=int(data.get("context", 0)),  # type: ignore[call-overload]
                    target_weight_bytes=int(data.get("target_weight_bytes", 0)),  # type: ignore[call-overload]
-                   draft_weight_bytes=int(data.get("draft_weight_bytes", 0)))  # type: ignore[call-overload]
+                   draft_weight_bytes=int(data.get("draft_weight_bytes", 0)),  # type: ignore[call-overload]
+                   target_iqr={int(k): (float(low), float(high)) for k, (low, high)
+                               in data.get("t_target_iqr_s", {}).items()},  # type: ignore[attr-defined]
+                   draft_iqr=tuple(data.get("t_draft_1_iqr_s", (0.0, 0.0))),  # type: ignore[arg-type]
+                   bandwidth=float(data.get("bandwidth_bytes_per_s",  # type: ignore[arg-type]
+                                            DEFAULT_BANDWIDTH)))
 
 
 def expected_tokens(alpha: float, gamma: float) -> float:

@@ -93,8 +93,9 @@ def same_shape_table(mode: dict[str, Any]) -> list[str]:
 
 def round_table(mode: dict[str, Any]) -> list[str]:
     lines = ["| configuration | rounds | tokens/round | draft model ms | draft wait - model ms | "
-             "target model ms | target wait - model ms | other ms | bytes/round |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "target model ms | target wait - model ms | other ms | bytes/round | "
+             "lookup share (accept rate) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in mode.items():
         s = entry[ALL]
         p = s.get("per_round")
@@ -104,7 +105,9 @@ def round_table(mode: dict[str, Any]) -> list[str]:
             f"| {name} | {s['rounds']} | {s['tokens_per_round']:.2f} | "
             f"{p['draft_model_ms']:.1f} | {p['draft_transport_ms']:.1f} | "
             f"{p['target_model_ms']:.1f} | {p['target_transport_ms']:.1f} | "
-            f"{p['other_ms']:.1f} | {p['bytes']:.0f} |")
+            f"{p['other_ms']:.1f} | {p['bytes']:.0f} | "
+            f"{_f(s.get('lookup_share'), '{:.0%}')} "
+            f"({_f(s.get('lookup_acceptance_rate'), '{:.0%}')}) |")
     return lines
 
 

@@ -9,7 +9,11 @@ range are over repeats, the quartiles over prompts. For speculative runs:
 - bound = tokens per round * T_target(1) / (k * T_draft(1) + T_target(k + 1)) with the
   calibrated costs: S(gamma) of shared/REFERENCE.md section 2 at the acceptance and the
   draft length the run actually had (for adaptive, the mean length it chose);
-- ratio = achieved speedup over target-only / bound.
+- ratio = achieved speedup over target-only / bound;
+- lookup share = the part of the drafted tokens that prompt lookup proposed, and its own
+  acceptance rate;
+- chosen lengths (adaptive, in process) = the policy's choice in every round, including
+  the rounds where a prompt-lookup hit was verified instead of the draft's tokens.
 For specdec over gRPC also, against target-only through the same services (k=0):
 - same-shape speedup = tokens/s / that of the gRPC k=0 run;
 - same-shape bound = tokens per round * T_target(1) / (draft forward + target forward per
@@ -72,6 +76,11 @@ def group_stats(rows: list[RunRecord], curve: CostCurve,
         "mean_accepted_length": 1 + accepted / drafts if drafts else None,
         "alpha": alpha_from_tokens_per_round(tokens_per_round, k) if drafted else None,
     })
+    lookup_drafted = sum(r.lookup_draft_tokens for r in rows)
+    if drafted:  # prompt lookup's part of the drafted and of the accepted tokens
+        out["lookup_share"] = lookup_drafted / drafted
+        out["lookup_acceptance_rate"] = (sum(r.lookup_accepted_tokens for r in rows)
+                                         / lookup_drafted if lookup_drafted else None)
     if drafted and with_bound:  # only for runs of the draft whose costs the curve holds
         modelled_s = k * curve.draft_s + curve.t_target(k + 1)
         out["bound"] = tokens_per_round * curve.t_target(1) / modelled_s

@@ -9,8 +9,12 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from specdec.config import add_kernel_settings, add_setting
+
+if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI parses
+    from specdec.bench.harness import BenchResult
 
 QUICK = {"modes": "greedy", "lengths": "2,4,adaptive,adaptive+a0", "prompts_per_category": 1,
          "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24}
@@ -70,6 +74,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--costs-only", action="store_true",
                         help="only measure T_target(k) and T_draft(1) (in --compare-dtypes, "
                         "default --dtype); writes costs.json and costs.md")
+    parser.add_argument("--report-from", default=None, metavar="BENCH_JSON",
+                        help="measure nothing: write the summary, markdown and plots of an "
+                        "earlier run's bench.json (or its directory) again with this "
+                        "version's report code, into --out")
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -119,14 +127,14 @@ def other_draft_systems(data: dict) -> tuple[str, ...]:
     return (HF_ASSISTED, LOCAL_TOKEN_DRAFT)
 
 
-def write_outputs(result: object, out_dir: Path, command: str) -> dict[str, Path]:
+def write_outputs(result: BenchResult, out_dir: Path, command: str) -> dict[str, Path]:
     from specdec.bench.markdown import render
     from specdec.bench.plots import write_plots
     from specdec.bench.report import summarise
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = result.to_dict()  # type: ignore[attr-defined]
-    summary = summarise(result.records, result.costs,  # type: ignore[attr-defined]
+    data = result.to_dict()
+    summary = summarise(result.records, result.costs,
                         other_draft_systems(data))
     data["summary"] = summary
     data["command"] = command
@@ -136,6 +144,24 @@ def write_outputs(result: object, out_dir: Path, command: str) -> dict[str, Path
     for index, path in enumerate(write_plots(summary, out_dir)):
         paths[f"plot{index}"] = path
     return paths
+
+
+def load_result(path: Path) -> tuple[BenchResult, str]:
+    """An earlier run's bench.json (or its directory) as the BenchResult it was written
+    from, and the command that ran it."""
+    from specdec.bench.configs import RunRecord
+    from specdec.bench.costs import CostCurve
+    from specdec.bench.harness import BenchResult, BenchSettings
+
+    if path.is_dir():
+        path = path / "bench.json"
+    data = json.loads(path.read_text())
+    settings: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value
+                                for key, value in data["settings"].items()}
+    return BenchResult(BenchSettings(**settings), CostCurve.from_dict(data["costs"]),
+                       [RunRecord(**record) for record in data["records"]],
+                       [CostCurve.from_dict(curve) for curve in data["dtype_costs"]],
+                       data["meta"]), data.get("command", "specdec bench")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -168,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     argv = sys.argv[1:]
     command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
+    if args.report_from:
+        result, command = load_result(Path(args.report_from))
+        paths = write_outputs(result, Path(args.out), command)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
     if args.costs_only:
         path = write_costs(run_costs(settings), Path(args.out), command,  # type: ignore[arg-type]
                            args.torch_threads)
