@@ -191,14 +191,14 @@ def run(args: argparse.Namespace) -> int:
     from specdec.bench.harness import run_bench, run_costs
 
     signal.signal(signal.SIGTERM, _interrupt)
-    settings = settings_from_args(args)
-    argv = sys.argv[1:]
-    command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
-    if args.report_from:
+    if args.report_from:  # measures nothing, so the measuring flags do not apply
         result, command = load_result(Path(args.report_from))
         paths = write_outputs(result, Path(args.out), command)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
+    settings = settings_from_args(args)
+    argv = sys.argv[1:]
+    command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
     if args.costs_only:
         path = write_costs(run_costs(settings), Path(args.out), command,  # type: ignore[arg-type]
                            args.torch_threads)
