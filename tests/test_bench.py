@@ -20,6 +20,7 @@ from specdec.bench.costs import (
     alpha_from_tokens_per_round,
     bound,
     expected_tokens,
+    measure_costs,
 )
 from specdec.bench.harness import BenchModels, BenchSettings, run_bench
 from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
@@ -94,6 +95,23 @@ def tiny_pair(tmp_path: Path) -> BenchModels:
     (tmp_path / "draft" / "token_map.json").write_text(
         json.dumps({"target_ids": token_map.tolist()}))
     return BenchModels(target, draft, token_map, None, (), str(tmp_path / "draft"))
+
+
+def test_cost_calibration_measures_every_length_and_frees_its_sessions(
+        tiny_pair: BenchModels) -> None:
+    from specdec.runner import ModelRunner
+
+    torch.set_num_threads(1)
+    target = ModelRunner(tiny_pair.target)
+    draft = ModelRunner(tiny_pair.draft, 64, token_map=tiny_pair.token_map)
+    ticks: list[None] = []
+    curve = measure_costs(target, draft, label="tiny", context_len=16, max_k=5, repeats=3,
+                          progress=lambda: ticks.append(None))
+    assert sorted(curve.target_s) == [1, 2, 3, 4, 5]
+    assert all(value > 0 for value in curve.target_s.values()) and curve.draft_s > 0
+    assert all(low <= curve.target_s[k] <= high for k, (low, high) in curve.target_iqr.items())
+    assert len(ticks) == 6  # one per target length, one for the draft
+    assert not target._sessions and not draft._sessions  # calibration sessions released
 
 
 def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_path: Path) -> None:

@@ -142,11 +142,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _time_calls(call: Callable[[], float], repeats: int) -> list[float]:
-    call()  # warm-up: first calls pay allocator and kernel selection costs
-    return [call() for _ in range(repeats)]
-
-
 def _quartiles(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return values[0], values[0]
@@ -154,8 +149,9 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def _measure_extend(runner: ModelRunner, context: list[int], new_tokens: list[int],
-                    repeats: int) -> list[float]:
+def _extend_timer(runner: ModelRunner, context: list[int], new_tokens: list[int],
+                  ) -> tuple[Callable[[], float], Callable[[], None]]:
+    """A call that times one extend of new_tokens after context, rolling back each time."""
     session = f"cost-{len(new_tokens)}-{time.monotonic_ns()}"
     runner.extend(session, 0, 0, context, num_logits=1,
                   target_hidden=runner.placeholder_hidden(len(context)))
@@ -168,10 +164,10 @@ def _measure_extend(runner: ModelRunner, context: list[int], new_tokens: list[in
                       num_logits=len(new_tokens), target_hidden=hidden)
         return time.perf_counter() - started
 
-    try:
-        return _time_calls(call, repeats)
-    finally:
+    def release() -> None:
         runner.release(session)
+
+    return call, release
 
 
 def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
@@ -182,18 +178,34 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
     vocab = min(target.vocab.target_vocab_size, 4096)
     context = torch.randint(10, vocab, (context_len,), generator=generator).tolist()
     extra = torch.randint(10, vocab, (max_k,), generator=generator).tolist()
-    target_s: dict[int, float] = {}
-    target_iqr: dict[int, tuple[float, float]] = {}
-    for k in range(1, max_k + 1):
-        samples = _measure_extend(target, context, extra[:k], repeats)
-        target_s[k] = statistics.median(samples)
-        target_iqr[k] = _quartiles(samples)
-        if progress is not None:
-            progress()
+    timers = {k: _extend_timer(target, context, extra[:k]) for k in range(1, max_k + 1)}
+    samples: dict[int, list[float]] = {k: [] for k in timers}
+    try:
+        # Round-robin over k, after one untimed pass: a machine that speeds up or slows
+        # down during the calibration then shifts every T_target(k) alike, instead of
+        # inflating whichever k was measured first (the eleventh session's run put
+        # T_target(1) above T_target(2..6) that way).
+        for call, _ in timers.values():
+            call()
+        for repeat in range(repeats):
+            for k, (call, _) in timers.items():
+                samples[k].append(call())
+                if progress is not None and repeat == repeats - 1:
+                    progress()
+    finally:
+        for _, release in timers.values():
+            release()
+    target_s = {k: statistics.median(values) for k, values in samples.items()}
+    target_iqr = {k: _quartiles(values) for k, values in samples.items()}
     draft_s, draft_iqr, draft_bytes = math.nan, (math.nan, math.nan), 0
     if draft is not None:
-        samples = _measure_extend(draft, context, extra[:1], max(repeats, 11))
-        draft_s, draft_iqr = statistics.median(samples), _quartiles(samples)
+        draft_call, draft_release = _extend_timer(draft, context, extra[:1])
+        try:
+            draft_call()
+            draft_samples = [draft_call() for _ in range(max(repeats, 11))]
+        finally:
+            draft_release()
+        draft_s, draft_iqr = statistics.median(draft_samples), _quartiles(draft_samples)
         draft_bytes = weight_bytes(draft.model)
         if progress is not None:
             progress()
