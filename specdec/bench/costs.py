@@ -178,13 +178,15 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
     vocab = min(target.vocab.target_vocab_size, 4096)
     context = torch.randint(10, vocab, (context_len,), generator=generator).tolist()
     extra = torch.randint(10, vocab, (max_k,), generator=generator).tolist()
-    timers = {k: _extend_timer(target, context, extra[:k]) for k in range(1, max_k + 1)}
-    samples: dict[int, list[float]] = {k: [] for k in timers}
+    timers: dict[int, tuple[Callable[[], float], Callable[[], None]]] = {}
     try:
+        for k in range(1, max_k + 1):
+            timers[k] = _extend_timer(target, context, extra[:k])
+        samples: dict[int, list[float]] = {k: [] for k in timers}
         # Round-robin over k, after one untimed pass: a machine that speeds up or slows
         # down during the calibration then shifts every T_target(k) alike, instead of
-        # inflating whichever k was measured first (the eleventh session's run put
-        # T_target(1) above T_target(2..6) that way).
+        # inflating whichever k is timed first (a likely cause of the eleventh session's
+        # T_target(1) above T_target(2..6)).
         for call, _ in timers.values():
             call()
         for repeat in range(repeats):
