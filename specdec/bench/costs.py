@@ -142,6 +142,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _time_calls(call: Callable[[], float], repeats: int) -> list[float]:
+    call()  # warm-up: first calls pay allocator and kernel selection costs
+    return [call() for _ in range(repeats)]
+
+
 def _quartiles(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return values[0], values[0]
@@ -203,8 +208,7 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
     if draft is not None:
         draft_call, draft_release = _extend_timer(draft, context, extra[:1])
         try:
-            draft_call()
-            draft_samples = [draft_call() for _ in range(max(repeats, 11))]
+            draft_samples = _time_calls(draft_call, max(repeats, 11))
         finally:
             draft_release()
         draft_s, draft_iqr = statistics.median(draft_samples), _quartiles(draft_samples)
