@@ -42,6 +42,8 @@ def add_model_settings(parser: argparse.ArgumentParser,
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
     add_kernel_settings(parser)
+    if "draft" in roles:
+        add_draft_precision_settings(parser)
     add_setting(parser, "--kv-budget-mb", 2048, "KV cache memory budget per model (MiB)", type=int)
 
 
@@ -57,6 +59,24 @@ def add_kernel_settings(parser: argparse.ArgumentParser) -> None:
                 "attention of decode-sized forwards: auto (on CPU grouped for float32, "
                 "rowwise for reduced precision), sdpa, grouped or rowwise; see "
                 "specdec/attention.py", choices=ATTENTION_KERNELS)
+
+
+def add_draft_precision_settings(parser: argparse.ArgumentParser) -> None:
+    """The draft's own dtype and linear kernel: they change its speed and acceptance,
+    never the output (exactness is defined against the target as served)."""
+    from specdec.kernels import KERNELS
+
+    add_setting(parser, "--draft-dtype", "",
+                "draft model dtype (empty = --dtype); see docs/benchmarks.md section 2")
+    add_setting(parser, "--draft-linear-kernel", "",
+                "matmul kernel of the draft's linear layers (empty = --linear-kernel)",
+                choices=("", *KERNELS))
+
+
+def draft_precision(args: argparse.Namespace) -> tuple[torch.dtype, str]:
+    """The draft's dtype and linear kernel: its own settings, else the shared ones."""
+    return (parse_dtype(getattr(args, "draft_dtype", "") or args.dtype),
+            getattr(args, "draft_linear_kernel", "") or args.linear_kernel)
 
 
 def apply_torch_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:

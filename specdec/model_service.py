@@ -145,6 +145,7 @@ def load_runner(model: str, *, device: torch.device, dtype: torch.dtype,
                 linear_kernel: str = "auto", attention_kernel: str = "auto") -> ModelRunner:
     loaded = load_causal_lm(model, device, dtype, progress=False, linear_kernel=linear_kernel,
                             attention_kernel=attention_kernel)
+    log.info("loaded %s: %s", model, loaded.precision)
     budget = kv_budget_mb * 1024 * 1024 if kv_budget_mb and kv_budget_mb > 0 else None
     return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,
                        token_map=loaded.token_map, kv_budget_bytes=budget)

@@ -146,6 +146,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None
     token_map: torch.Tensor | None  # draft-vocab id -> target id, for reduced-vocab drafts
     name: str
+    precision: str = ""  # "bfloat16, onednn linear, rowwise attention": what runs
 
 
 def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
@@ -158,8 +159,9 @@ def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
     source = resolve(name_or_path, progress)
     model = _model_class(source).from_pretrained(source, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
-    apply_linear_kernel(model, linear_kernel)
-    apply_attention_kernel(model, attention_kernel)
+    linear = apply_linear_kernel(model, linear_kernel)
+    attention = apply_attention_kernel(model, attention_kernel)
+    precision = f"{str(dtype).removeprefix('torch.')}, {linear} linear, {attention} attention"
     token_map = None
     tokenizer = None
     source_path = Path(source)
@@ -170,7 +172,8 @@ def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         tokenizer = None
-    return LoadedModel(model, tokenizer, token_map, str(name_or_path or DEFAULT_TARGET))
+    return LoadedModel(model, tokenizer, token_map, str(name_or_path or DEFAULT_TARGET),
+                       precision)
 
 
 def _model_class(source: Path | str) -> Any:

@@ -22,7 +22,7 @@ from specdec.bench.costs import (
     expected_tokens,
     measure_costs,
 )
-from specdec.bench.harness import BenchModels, BenchSettings, run_bench
+from specdec.bench.harness import BenchModels, BenchSettings, cost_label, run_bench
 from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
 from specdec.commands.bench import add_parser, load_result, settings_from_args, write_outputs
 from specdec.draft_training.prompts import generate_prompts
@@ -83,6 +83,19 @@ def test_quick_flag_settings() -> None:
     settings = settings_from_args(args)
     assert settings.modes == ("greedy",) and settings.per_category == 1
     assert settings.lengths == ("2", "4", "adaptive", "adaptive+a0") and settings.repeats == 3
+
+
+def test_draft_precision_flags_reach_the_settings_and_the_cost_label() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    shared = settings_from_args(parser.parse_args(["bench", "--dtype", "bfloat16"]))
+    assert shared.draft_precision == ("bfloat16", "auto")
+    assert cost_label(shared) == "bfloat16@onednn@rowwise"
+    own = settings_from_args(parser.parse_args(
+        ["bench", "--dtype", "bfloat16", "--draft-dtype", "float32",
+         "--draft-linear-kernel", "torch"]))
+    assert own.draft_precision == ("float32", "torch")
+    assert cost_label(own) == "bfloat16@onednn@rowwise, draft float32@torch@grouped"
 
 
 @pytest.fixture()

@@ -94,6 +94,14 @@ def test_speculative_law_matches_target_in_bfloat16_with_the_cpu_kernels(models)
     assert_law_matches(target, draft, SETTINGS["T0.7_topk4"])
 
 
+def test_speculative_law_matches_a_bfloat16_target_with_a_float32_draft(models) -> None:
+    """--draft-dtype: the draft's precision may differ from the target's as served."""
+    target, draft = copy.deepcopy(models[0]).to(torch.bfloat16), copy.deepcopy(models[1])
+    assert apply_linear_kernel(target, "auto") == "onednn"
+    assert apply_linear_kernel(draft, "torch") == "torch"
+    assert_law_matches(target, draft, SETTINGS["T1"])
+
+
 def test_wrong_q_is_rejected_by_the_same_test(models) -> None:
     target, draft = models
     params = SETTINGS["T0.7_topk4"]

@@ -48,6 +48,7 @@ def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) ->
            "SPECDEC_TRACING": "off"}
     up = subprocess.Popen(
         [*SPECDEC, "up", "--target-model", str(target), "--draft-model", str(draft),
+         "--dtype", "bfloat16", "--draft-dtype", "float32", "--draft-linear-kernel", "torch",
          "--log-dir", str(tmp_path / "logs"), "--startup-timeout-s", "120",
          *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -89,6 +90,10 @@ def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) ->
         rest, _ = up.communicate(timeout=120)
     assert up.returncode == 0, rest
     assert "stopped: coordinator exit 0, draft exit 0, target exit 0" in rest
+    # The draft runs in its own precision; the target keeps the shared one.
+    assert "float32, torch linear, grouped attention" in (tmp_path / "logs/draft.log").read_text()
+    assert "bfloat16, onednn linear, rowwise attention" in \
+        (tmp_path / "logs/target.log").read_text()
     time.sleep(0.2)
     assert not any(check_health(f"127.0.0.1:{port}", timeout_s=0.3) for port in ports.values())
 
@@ -108,3 +113,24 @@ def test_demo_streams_an_answer_and_compares_with_target_only(
     assert "speculative decoding, adaptive draft length" in result.stdout
     assert "identical output: yes" in result.stdout
     assert "stopped: coordinator exit 0, draft exit 0, target exit 0" in result.stdout
+
+
+def test_draft_precision_follows_the_shared_settings_unless_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from specdec.config import add_model_settings, draft_precision
+
+    def parsed(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add_model_settings(parser)
+        return parser.parse_args(argv)
+
+    assert draft_precision(parsed()) == (torch.bfloat16, "auto")
+    assert draft_precision(parsed("--dtype", "float32", "--linear-kernel", "torch")) == \
+        (torch.float32, "torch")
+    monkeypatch.setenv("SPECDEC_DRAFT_DTYPE", "float32")
+    assert draft_precision(parsed("--draft-linear-kernel", "skinny")) == \
+        (torch.float32, "skinny")
+    with pytest.raises(SystemExit):  # argparse: an unknown kernel is a usage error
+        parsed("--draft-linear-kernel", "fast")

@@ -59,6 +59,9 @@ class BenchSettings:
     torch_threads: int = 0
     linear_kernel: str = "auto"
     attention_kernel: str = "auto"
+    # The draft's (and hf-assisted's assistant's) own precision; "" = as the target's.
+    draft_dtype: str = ""
+    draft_linear_kernel: str = ""
     # Threads of each service process (0 = torch default, as `specdec up`); with forwards
     # on one compute thread and a short OpenMP spin, 2 beat 1 here (specdec/stack.py).
     grpc_torch_threads: int = 0
@@ -77,6 +80,11 @@ class BenchSettings:
     warmup_tokens: int = 40
     progress: bool = True
     startup_timeout_s: float = 300.0
+
+    @property
+    def draft_precision(self) -> tuple[str, str]:
+        """The draft's dtype and linear kernel names (its own, else the target's)."""
+        return (self.draft_dtype or self.dtype, self.draft_linear_kernel or self.linear_kernel)
 
 
 @dataclass
@@ -130,16 +138,18 @@ def load_models(settings: BenchSettings) -> BenchModels:
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=settings.progress,
                             linear_kernel=settings.linear_kernel,
                             attention_kernel=settings.attention_kernel)
-    draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=settings.progress,
-                           linear_kernel=settings.linear_kernel,
+    draft_dtype_name, draft_kernel = settings.draft_precision
+    draft_dtype = parse_dtype(draft_dtype_name)
+    draft = load_causal_lm(settings.draft_model, cpu, draft_dtype, progress=settings.progress,
+                           linear_kernel=draft_kernel,
                            attention_kernel=settings.attention_kernel)
     eos = model_info(settings.target_model).eos_token_ids
     models = BenchModels(target.model, draft.model, draft.token_map, target.tokenizer, eos,
                          str(resolve(settings.draft_model)))
     assistant_name = assistant_model(settings, draft.model)
     if assistant_name != settings.draft_model:
-        assistant = load_causal_lm(assistant_name, cpu, dtype, progress=settings.progress,
-                                   linear_kernel=settings.linear_kernel,
+        assistant = load_causal_lm(assistant_name, cpu, draft_dtype, progress=settings.progress,
+                                   linear_kernel=draft_kernel,
                                    attention_kernel=settings.attention_kernel)
         models.assistant, models.assistant_token_map = assistant.model, assistant.token_map
         models.assistant_source = str(resolve(assistant_name))
@@ -166,6 +176,8 @@ class ProcessStack:
                 "--dtype", settings.dtype, "--torch-threads", str(settings.grpc_torch_threads),
                 "--linear-kernel", settings.linear_kernel,
                 "--attention-kernel", settings.attention_kernel,
+                "--draft-dtype", settings.draft_dtype,
+                "--draft-linear-kernel", settings.draft_linear_kernel,
                 "--max-draft-tokens", str(max(16, settings.max_length))]
         self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         self.startup_timeout_s = settings.startup_timeout_s
@@ -213,17 +225,17 @@ class Bench:
         self.hf_draft: Any | None = None
         if any(c.system == HF_ASSISTED for c in self.all_configs):
             dtype = next(models.draft.parameters()).dtype
+            draft_kernel = settings.draft_precision[1]
             if models.assistant is not None:
                 self.hf_draft = baselines.hf_draft(
                     models.assistant, models.assistant_token_map, vocab, models.assistant_source,
-                    dtype, settings.linear_kernel, settings.attention_kernel)
+                    dtype, draft_kernel, settings.attention_kernel)
             elif is_feature_draft(models.draft):
                 raise ValueError("transformers' assisted generation cannot run a feature draft; "
                                  "set --assistant-model to a token-only draft")
             else:
                 self.hf_draft = baselines.hf_draft(models.draft, models.token_map, vocab,
-                                                   models.draft_source, dtype,
-                                                   settings.linear_kernel,
+                                                   models.draft_source, dtype, draft_kernel,
                                                    settings.attention_kernel)
         self.grpc = grpc
         self.encode = chat_encoder(models.tokenizer)
@@ -348,11 +360,8 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
             def advance(description: str) -> None:
                 bar.update(setup, advance=1, description=description[:44])
 
-            dtype = parse_dtype(settings.dtype)
-            kernel = resolve_kernel(settings.linear_kernel, torch.device("cpu"), dtype)
-            attention = resolve_attention(settings.attention_kernel, torch.device("cpu"), dtype)
             costs = measure_costs(bench.target_runner, bench.draft_runner,
-                                  label=f"{settings.dtype}@{kernel}@{attention}",
+                                  label=cost_label(settings),
                                   repeats=settings.calibration_repeats,
                                   progress=lambda: advance(f"calibrating {settings.dtype}"))
             dtype_costs = compare_dtypes(settings, dtype_models, advance)
@@ -366,6 +375,18 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
             "assistant_model": assistant_model(settings, models.draft),
             "configs": [c.name for c in bench.all_configs], "wall_s": time.perf_counter() - started}
     return BenchResult(settings, costs, records, dtype_costs, meta)
+
+
+def cost_label(settings: BenchSettings) -> str:
+    """FORMAT@KERNEL@ATTENTION as resolved on CPU; the draft's too when it differs."""
+    def label(dtype_name: str, linear_kernel: str) -> str:
+        dtype, cpu = parse_dtype(dtype_name), torch.device("cpu")
+        return (f"{dtype_name}@{resolve_kernel(linear_kernel, cpu, dtype)}"
+                f"@{resolve_attention(settings.attention_kernel, cpu, dtype)}")
+
+    target = label(settings.dtype, settings.linear_kernel)
+    draft = label(*settings.draft_precision)
+    return target if draft == target else f"{target}, draft {draft}"
 
 
 def compare_dtypes(settings: BenchSettings,

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.config import add_kernel_settings, add_setting
+from specdec.config import add_draft_precision_settings, add_kernel_settings, add_setting
 
 if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI parses
     from specdec.bench.harness import BenchResult
@@ -38,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
     add_kernel_settings(parser)
+    add_draft_precision_settings(parser)
     parser.add_argument("--grpc-torch-threads", type=int, default=0,
                         help="torch threads of each `specdec serve` process of the gRPC "
                         "system (0 = torch default, as `specdec up` starts them)")
@@ -101,7 +102,8 @@ def settings_from_args(args: argparse.Namespace) -> object:
         target_model=args.target_model, draft_model=args.draft_model,
         assistant_model=args.assistant_model, dtype=args.dtype,
         torch_threads=args.torch_threads, linear_kernel=args.linear_kernel,
-        attention_kernel=args.attention_kernel,
+        attention_kernel=args.attention_kernel, draft_dtype=args.draft_dtype,
+        draft_linear_kernel=args.draft_linear_kernel,
         grpc_torch_threads=args.grpc_torch_threads, modes=modes,
         systems=_csv(args.systems),
         lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),
