@@ -16,6 +16,16 @@ from typing import IO
 
 from specdec.grpc_server import wait_healthy
 
+# The draft and target alternate on the same cores. Before forwards ran on one
+# compute thread per service, libgomp's default spin let an idle service's threads
+# slow the busy one's forward ~7x here (2 cores); fully passive waiting wakes the
+# team for each of a forward's ~200 small GEMMs instead (T_target(1) 37 -> 63 ms).
+# A short spin covers the gaps inside a forward: with each service's tensor work on
+# one compute thread (specdec.model_service), 2 threads each beat 1 thread each
+# (target-only over gRPC 25.0-26.4 against 17.7-21.3 tok/s). A 10x longer spin
+# (300000) measured level with this one (docs/benchmarks.md section 4g).
+SERVICE_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
+
 # Stop order: the coordinator first, so no new rounds reach the model services.
 ROLES = ("coordinator", "draft", "target")
 
@@ -91,16 +101,7 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     for role in ROLES:
         ports[role] = ports.get(role) or free_port(host)
     stack = Stack(host, ports)
-    # The draft and target alternate on the same cores. Before forwards ran on one
-    # compute thread per service, libgomp's default spin let an idle service's threads
-    # slow the busy one's forward ~7x here (2 cores); fully passive waiting wakes the
-    # team for each of a forward's ~200 small GEMMs instead (T_target(1) 37 -> 63 ms).
-    # A short spin covers the gaps inside a forward: with each service's tensor work on
-    # one compute thread (specdec.model_service), 2 threads each beat 1 thread each
-    # (target-only over gRPC 25.0-26.4 against 17.7-21.3 tok/s). A 10x longer spin
-    # (300000) measured level with this one (docs/benchmarks.md section 4g).
-    child_env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000",
-                 **os.environ, **(env or {})}
+    child_env = {**SERVICE_THREAD_ENV, **os.environ, **(env or {})}
     for role in ("target", "draft", "coordinator"):
         command = [sys.executable, "-m", "specdec.cli", "serve", role, "--host", host,
                    "--port", str(ports[role]), *service_args, *(role_args or {}).get(role, ())]

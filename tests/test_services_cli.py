@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import save_tiny_pair
 
 from specdec.grpc_server import check_health
-from specdec.models import DEFAULT_TARGET, resolve
 from specdec.stack import free_port
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
@@ -24,20 +23,8 @@ SPECDEC = [sys.executable, "-m", "specdec.cli"]
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Tiny random target and draft over SmolLM2's 49152-token vocabulary."""
-    from transformers import AutoTokenizer
-
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(resolve(DEFAULT_TARGET, progress=False))
-    root = tmp_path_factory.mktemp("models")
-    paths = []
-    for name, seed, layers in (("target", 1, 2), ("draft", 2, 1)):
-        model = tiny_llama(len(tokenizer), seed=seed, layers=layers, hidden=32)
-        model.config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-        paths.append(root / name)
-    return paths[0], paths[1]
+    return save_tiny_pair(tmp_path_factory.mktemp("models"))
 
 
 def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:

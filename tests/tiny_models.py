@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -61,3 +63,21 @@ def tiny_feature_draft(vocab_size: int = 16, target_hidden: int = 32, seed: int 
         # proposals then depend on it, so a misaligned row changes what it proposes.
         model.feature_fc.weight[:, 32:].mul_(4.0)
     return model
+
+
+def save_tiny_pair(root: Path) -> tuple[Path, Path]:
+    """Tiny random target and draft over SmolLM2's vocabulary, saved with its tokenizer
+    (so text prompts, chat and stop strings work end to end)."""
+    from transformers import AutoTokenizer
+
+    from specdec.models import DEFAULT_TARGET, resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(DEFAULT_TARGET, progress=False))
+    paths = []
+    for name, seed, layers in (("target", 1, 2), ("draft", 2, 1)):
+        model = tiny_llama(len(tokenizer), seed=seed, layers=layers, hidden=32)
+        model.config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths.append(root / name)
+    return paths[0], paths[1]

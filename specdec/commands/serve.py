@@ -52,8 +52,7 @@ def add_service_settings(parser: argparse.ArgumentParser) -> None:
                 type=float)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="run one service in the foreground")
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("role", choices=ROLES, help="which service")
     add_setting(parser, "--host", DEFAULT_HOST, "interface to listen on")
     add_setting(parser, "--port", 0,
@@ -68,6 +67,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_service_settings(parser)
     # Not in add_service_settings: `up` must not hand one metrics port to all three.
     add_telemetry_settings(parser)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`specdec serve`'s flags on their own (for services started in other processes)."""
+    parser = argparse.ArgumentParser(prog="specdec serve")
+    add_serve_arguments(parser)
+    return parser
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run one service in the foreground")
+    add_serve_arguments(parser)
     parser.set_defaults(func=run)
 
 

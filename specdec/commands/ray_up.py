@@ -1,0 +1,133 @@
+"""`specdec ray`: draft and target replicas as Ray actors, the coordinator here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdec.commands.serve import add_service_settings, serve_parser
+from specdec.commands.up import service_args
+from specdec.config import add_setting
+from specdec.telemetry.settings import add_telemetry_settings, trace_file_for
+
+if TYPE_CHECKING:
+    from specdec.ray_replicas import Replicas
+
+log = logging.getLogger(__name__)
+
+# Environment the replicas need wherever Ray places them: tracing export, model cache,
+# offline hub, and the OpenMP waiting policy `specdec up` gives its services.
+FORWARDED_ENV_PREFIXES = ("OTEL_", "SPECDEC_", "HF_")
+WATCH_INTERVAL_S = 10.0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "ray", help="run draft and target replicas as Ray actors across a Ray cluster, "
+        "and the coordinator in this process, until Ctrl-C")
+    add_setting(parser, "--ray-address", "",
+                "Ray cluster to join: host:port, or 'auto' for the one `ray start` began on "
+                "this node (empty: RAY_ADDRESS if set, else a local Ray for this run only)")
+    for role in ("draft", "target"):
+        add_setting(parser, f"--{role}-replicas", 1, f"{role} service replicas", type=int)
+        add_setting(parser, f"--{role}-replica-cpus", 1.0,
+                    f"CPUs Ray reserves per {role} replica (also its torch threads unless "
+                    "--torch-threads is set)", type=float)
+        add_setting(parser, f"--{role}-replica-gpus", 0.0,
+                    f"GPUs Ray reserves per {role} replica (use with --device cuda)",
+                    type=float)
+    add_setting(parser, "--host", "127.0.0.1", "interface the coordinator listens on")
+    add_setting(parser, "--coordinator-port", 50051, "coordinator port (0 = any free port)",
+                type=int)
+    add_setting(parser, "--startup-timeout-s", 300.0,
+                "how long to wait for every replica to load and serve", type=float)
+    add_service_settings(parser)
+    add_telemetry_settings(parser)
+    parser.set_defaults(func=run)
+
+
+def replica_env() -> dict[str, str]:
+    from specdec.stack import SERVICE_THREAD_ENV
+
+    forwarded = {name: value for name, value in os.environ.items()
+                 if name.startswith(FORWARDED_ENV_PREFIXES)}
+    return {**SERVICE_THREAD_ENV, **forwarded}
+
+
+def replica_telemetry_argv(args: argparse.Namespace) -> list[str]:
+    """Tracing as asked; each replica its own trace file and any free metrics port."""
+    argv = ["--tracing", args.tracing, "--trace-tokens", args.trace_tokens,
+            "--trace-dir", str(Path(args.trace_dir).resolve()),
+            "--metrics-port", "-1" if args.metrics_port == -1 else "0"]
+    if trace_file_for(args, "coordinator") is None:
+        argv += ["--trace-file", "none"]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("specdec ray needs Ray: pip install 'specdec[ray]'") from None
+
+    from specdec.grpc_server import serve_until_signal
+    from specdec.ray_replicas import ReplicaSpec, start_replicas
+    from specdec.telemetry.service import Telemetry
+
+    specs = [ReplicaSpec(role, getattr(args, f"{role}_replicas"),
+                         getattr(args, f"{role}_replica_cpus"),
+                         getattr(args, f"{role}_replica_gpus"), args.torch_threads)
+             for role in ("target", "draft")]
+    ray.init(address=args.ray_address or None, include_dashboard=False,
+             logging_level=logging.WARNING)
+    try:
+        print(f"Ray cluster: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
+              f"{ray.cluster_resources().get('GPU', 0):g} GPUs; starting "
+              f"{args.target_replicas} target and {args.draft_replicas} draft replicas",
+              flush=True)
+        argv = [*service_args(args), *replica_telemetry_argv(args)]
+        replicas = start_replicas(specs, argv, replica_env(), args.startup_timeout_s)
+        try:
+            for info in replicas.infos:
+                metrics = f"  metrics :{info.metrics_port}" if info.metrics_port else ""
+                print(f"{info.role} replica {info.index}  {info.address}  "
+                      f"node {info.node_id[:12]}{metrics}", flush=True)
+            coordinator_args = serve_parser().parse_args([
+                "coordinator", "--host", args.host, "--port", str(args.coordinator_port),
+                "--draft-endpoint", replicas.endpoints("draft"),
+                "--target-endpoint", replicas.endpoints("target"), *service_args(args)])
+            from coordinator import server
+
+            telemetry = Telemetry.from_args(args, "coordinator")
+            handle = server.create(coordinator_args, telemetry=telemetry)
+            stopped = threading.Event()
+            watcher = threading.Thread(target=_watch, args=(replicas, stopped), daemon=True)
+            watcher.start()
+            print(f"ready: specdec generate \"Hello\" --endpoint {handle.address}   "
+                  "(Ctrl-C stops the coordinator and every replica)", flush=True)
+            try:
+                serve_until_signal(handle, args.grace_s)
+            finally:
+                stopped.set()
+        finally:
+            replicas.stop(args.grace_s)
+        print(f"stopped: coordinator and {len(replicas.actors)} replicas", flush=True)
+        return 0
+    finally:
+        ray.shutdown()  # disconnects; a local Ray started by this run also stops
+
+
+def _watch(replicas: Replicas, stopped: threading.Event) -> None:
+    """Report replicas that die; the coordinator routes around them meanwhile."""
+    reported: set[tuple[str, int]] = set()
+    while not stopped.wait(WATCH_INTERVAL_S):
+        for info in replicas.dead():
+            if (info.role, info.index) not in reported:
+                reported.add((info.role, info.index))
+                log.warning("%s replica %d (%s) is gone; the coordinator routes around it "
+                            "(restart `specdec ray` to replace it)", info.role, info.index,
+                            info.address)
