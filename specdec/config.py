@@ -66,16 +66,20 @@ def add_draft_precision_settings(parser: argparse.ArgumentParser) -> None:
     never the output (exactness is defined against the target as served)."""
     from specdec.kernels import KERNELS
 
-    add_setting(parser, "--draft-dtype", "",
-                "draft model dtype (empty = --dtype); see docs/benchmarks.md section 2")
+    add_setting(parser, "--draft-dtype", "auto",
+                "draft model dtype: auto (at load, time the draft in --dtype against float32 "
+                "with each CPU kernel and keep the fastest; see specdec/draft_precision.py), "
+                "same (= --dtype), or a dtype")
     add_setting(parser, "--draft-linear-kernel", "",
                 "matmul kernel of the draft's linear layers (empty = --linear-kernel)",
                 choices=("", *KERNELS))
 
 
-def draft_precision(args: argparse.Namespace) -> tuple[torch.dtype, str]:
-    """The draft's dtype and linear kernel: its own settings, else the shared ones."""
-    return (parse_dtype(getattr(args, "draft_dtype", "") or args.dtype),
+def draft_precision(args: argparse.Namespace) -> tuple[str, str]:
+    """The draft's dtype setting ("auto" or a dtype) and linear kernel: its own settings,
+    else the shared ones."""
+    setting = getattr(args, "draft_dtype", "") or "auto"
+    return (args.dtype if setting == "same" else setting,
             getattr(args, "draft_linear_kernel", "") or args.linear_kernel)
 
 

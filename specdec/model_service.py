@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from specdec.grpc_server import ServerHandle, Service, build_server
-from specdec.models import load_causal_lm, resolve
+from specdec.models import LoadedModel, load_causal_lm, resolve
 from specdec.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -141,11 +141,16 @@ def model_info(name_or_path: str) -> ModelInfo:
 
 
 def load_runner(model: str, *, device: torch.device, dtype: torch.dtype,
-                target_vocab_size: int | None = None, kv_budget_mb: int | None = None,
-                linear_kernel: str = "auto", attention_kernel: str = "auto") -> ModelRunner:
+                kv_budget_mb: int | None = None, linear_kernel: str = "auto",
+                attention_kernel: str = "auto") -> ModelRunner:
     loaded = load_causal_lm(model, device, dtype, progress=False, linear_kernel=linear_kernel,
                             attention_kernel=attention_kernel)
     log.info("loaded %s: %s", model, loaded.precision)
+    return serving_runner(loaded, kv_budget_mb=kv_budget_mb)
+
+
+def serving_runner(loaded: LoadedModel, *, target_vocab_size: int | None = None,
+                   kv_budget_mb: int | None = None) -> ModelRunner:
     budget = kv_budget_mb * 1024 * 1024 if kv_budget_mb and kv_budget_mb > 0 else None
     return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,
                        token_map=loaded.token_map, kv_budget_bytes=budget)

@@ -85,17 +85,22 @@ def test_quick_flag_settings() -> None:
     assert settings.lengths == ("2", "4", "adaptive", "adaptive+a0") and settings.repeats == 3
 
 
-def test_draft_precision_flags_reach_the_settings_and_the_cost_label() -> None:
+def test_draft_precision_flags_reach_the_settings_and_the_cost_label(
+        tiny_pair: BenchModels) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    shared = settings_from_args(parser.parse_args(["bench", "--dtype", "bfloat16"]))
-    assert shared.draft_precision == ("bfloat16", "auto")
-    assert cost_label(shared) == "bfloat16@onednn@rowwise"
+    default = settings_from_args(parser.parse_args(["bench", "--dtype", "bfloat16"]))
+    assert default.draft_precision == ("auto", "auto")
+    same = settings_from_args(parser.parse_args(["bench", "--draft-dtype", "same"]))
+    assert same.draft_precision == (same.dtype, "auto")
     own = settings_from_args(parser.parse_args(
         ["bench", "--dtype", "bfloat16", "--draft-dtype", "float32",
          "--draft-linear-kernel", "torch"]))
     assert own.draft_precision == ("float32", "torch")
-    assert cost_label(own) == "bfloat16@onednn@rowwise, draft float32@torch@grouped"
+    assert cost_label(own, tiny_pair) == "bfloat16@onednn@rowwise"
+    tiny_pair.draft_precision = "float32/torch (as set)"
+    assert cost_label(own, tiny_pair) == \
+        "bfloat16@onednn@rowwise, draft float32/torch (as set)"
 
 
 @pytest.fixture()

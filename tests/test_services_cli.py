@@ -102,7 +102,7 @@ def test_demo_streams_an_answer_and_compares_with_target_only(
     assert "stopped: coordinator exit 0, draft exit 0, target exit 0" in result.stdout
 
 
-def test_draft_precision_follows_the_shared_settings_unless_set(
+def test_draft_precision_settings_default_to_auto_and_follow_the_shared_ones(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
@@ -113,11 +113,10 @@ def test_draft_precision_follows_the_shared_settings_unless_set(
         add_model_settings(parser)
         return parser.parse_args(argv)
 
-    assert draft_precision(parsed()) == (torch.bfloat16, "auto")
-    assert draft_precision(parsed("--dtype", "float32", "--linear-kernel", "torch")) == \
-        (torch.float32, "torch")
+    assert draft_precision(parsed()) == ("auto", "auto")
+    assert draft_precision(parsed("--draft-dtype", "same", "--dtype", "float32",
+                                  "--linear-kernel", "torch")) == ("float32", "torch")
     monkeypatch.setenv("SPECDEC_DRAFT_DTYPE", "float32")
-    assert draft_precision(parsed("--draft-linear-kernel", "skinny")) == \
-        (torch.float32, "skinny")
+    assert draft_precision(parsed("--draft-linear-kernel", "skinny")) == ("float32", "skinny")
     with pytest.raises(SystemExit):  # argparse: an unknown kernel is a usage error
         parsed("--draft-linear-kernel", "fast")

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec.runner import ModelRunner
+from specdec.timing import extend_timer
 
 # Memory read bandwidth measured on the reference machine (2 threads), bytes per second.
 DEFAULT_BANDWIDTH = 15e9
@@ -154,27 +154,6 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def _extend_timer(runner: ModelRunner, context: list[int], new_tokens: list[int],
-                  ) -> tuple[Callable[[], float], Callable[[], None]]:
-    """A call that times one extend of new_tokens after context, rolling back each time."""
-    session = f"cost-{len(new_tokens)}-{time.monotonic_ns()}"
-    runner.extend(session, 0, 0, context, num_logits=1,
-                  target_hidden=runner.placeholder_hidden(len(context)))
-    fingerprint = runner._sessions[session].history.fingerprint(len(context))
-    hidden = runner.placeholder_hidden(len(new_tokens))
-
-    def call() -> float:
-        started = time.perf_counter()
-        runner.extend(session, len(context), fingerprint, new_tokens,
-                      num_logits=len(new_tokens), target_hidden=hidden)
-        return time.perf_counter() - started
-
-    def release() -> None:
-        runner.release(session)
-
-    return call, release
-
-
 def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
                   context_len: int = 64, max_k: int = 9, repeats: int = 7,
                   progress: Callable[[], None] | None = None) -> CostCurve:
@@ -186,7 +165,7 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
     timers: dict[int, tuple[Callable[[], float], Callable[[], None]]] = {}
     try:
         for k in range(1, max_k + 1):
-            timers[k] = _extend_timer(target, context, extra[:k])
+            timers[k] = extend_timer(target, context, extra[:k])
         samples: dict[int, list[float]] = {k: [] for k in timers}
         # Round-robin over k, after one untimed pass: a machine that speeds up or slows
         # down during the calibration then shifts every T_target(k) alike, instead of
@@ -206,7 +185,7 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
     target_iqr = {k: _quartiles(values) for k, values in samples.items()}
     draft_s, draft_iqr, draft_bytes = math.nan, (math.nan, math.nan), 0
     if draft is not None:
-        draft_call, draft_release = _extend_timer(draft, context, extra[:1])
+        draft_call, draft_release = extend_timer(draft, context, extra[:1])
         try:
             draft_samples = _time_calls(draft_call, max(repeats, 11))
         finally:

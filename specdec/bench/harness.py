@@ -59,8 +59,9 @@ class BenchSettings:
     torch_threads: int = 0
     linear_kernel: str = "auto"
     attention_kernel: str = "auto"
-    # The draft's (and hf-assisted's assistant's) own precision; "" = as the target's.
-    draft_dtype: str = ""
+    # The draft's (and hf-assisted's assistant's) own precision (specdec.draft_precision):
+    # "auto" measures, "same" = dtype; an empty kernel = linear_kernel.
+    draft_dtype: str = "auto"
     draft_linear_kernel: str = ""
     # Threads of each service process (0 = torch default, as `specdec up`); with forwards
     # on one compute thread and a short OpenMP spin, 2 beat 1 here (specdec/stack.py).
@@ -83,8 +84,10 @@ class BenchSettings:
 
     @property
     def draft_precision(self) -> tuple[str, str]:
-        """The draft's dtype and linear kernel names (its own, else the target's)."""
-        return (self.draft_dtype or self.dtype, self.draft_linear_kernel or self.linear_kernel)
+        """The draft's dtype setting and linear kernel (its own, else the target's)."""
+        setting = self.draft_dtype or "auto"
+        return (self.dtype if setting == "same" else setting,
+                self.draft_linear_kernel or self.linear_kernel)
 
 
 @dataclass
@@ -101,6 +104,10 @@ class BenchModels:
     assistant: Any | None = None
     assistant_token_map: torch.Tensor | None = None
     assistant_source: str = ""
+    # What the draft runs in (specdec.draft_precision), and the kernel hf-assisted's
+    # assistant then uses too.
+    draft_precision: str = ""
+    draft_linear_kernel: str = "auto"
 
 
 class GrpcEndpoint(Protocol):
@@ -130,6 +137,7 @@ def stable_seed(*parts: object) -> int:
 
 
 def load_models(settings: BenchSettings) -> BenchModels:
+    from specdec.draft_precision import load_draft
     from specdec.model_service import model_info
     from specdec.models import load_causal_lm, parse_dtype, resolve
 
@@ -138,18 +146,20 @@ def load_models(settings: BenchSettings) -> BenchModels:
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=settings.progress,
                             linear_kernel=settings.linear_kernel,
                             attention_kernel=settings.attention_kernel)
-    draft_dtype_name, draft_kernel = settings.draft_precision
-    draft_dtype = parse_dtype(draft_dtype_name)
-    draft = load_causal_lm(settings.draft_model, cpu, draft_dtype, progress=settings.progress,
-                           linear_kernel=draft_kernel,
-                           attention_kernel=settings.attention_kernel)
-    eos = model_info(settings.target_model).eos_token_ids
-    models = BenchModels(target.model, draft.model, draft.token_map, target.tokenizer, eos,
-                         str(resolve(settings.draft_model)))
+    info = model_info(settings.target_model)
+    choice = load_draft(settings.draft_model, cpu, *settings.draft_precision,
+                        shared_dtype=dtype, attention_kernel=settings.attention_kernel,
+                        target_vocab_size=info.vocab_size, progress=settings.progress)
+    draft, precision = choice.loaded, choice.precision
+    models = BenchModels(target.model, draft.model, draft.token_map, target.tokenizer,
+                         info.eos_token_ids, str(resolve(settings.draft_model)),
+                         draft_precision=choice.describe(),
+                         draft_linear_kernel=precision.linear_kernel)
     assistant_name = assistant_model(settings, draft.model)
     if assistant_name != settings.draft_model:
-        assistant = load_causal_lm(assistant_name, cpu, draft_dtype, progress=settings.progress,
-                                   linear_kernel=draft_kernel,
+        assistant = load_causal_lm(assistant_name, cpu, precision.dtype,
+                                   progress=settings.progress,
+                                   linear_kernel=precision.linear_kernel,
                                    attention_kernel=settings.attention_kernel)
         models.assistant, models.assistant_token_map = assistant.model, assistant.token_map
         models.assistant_source = str(resolve(assistant_name))
@@ -225,7 +235,7 @@ class Bench:
         self.hf_draft: Any | None = None
         if any(c.system == HF_ASSISTED for c in self.all_configs):
             dtype = next(models.draft.parameters()).dtype
-            draft_kernel = settings.draft_precision[1]
+            draft_kernel = models.draft_linear_kernel
             if models.assistant is not None:
                 self.hf_draft = baselines.hf_draft(
                     models.assistant, models.assistant_token_map, vocab, models.assistant_source,
@@ -361,7 +371,7 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
                 bar.update(setup, advance=1, description=description[:44])
 
             costs = measure_costs(bench.target_runner, bench.draft_runner,
-                                  label=cost_label(settings),
+                                  label=cost_label(settings, models),
                                   repeats=settings.calibration_repeats,
                                   progress=lambda: advance(f"calibrating {settings.dtype}"))
             dtype_costs = compare_dtypes(settings, dtype_models, advance)
@@ -373,20 +383,17 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
     meta = {"machine": machine_info(), "machine_at_start": start_machine,
             "draft_trained": draft_trained, "prompts": len(prompts),
             "assistant_model": assistant_model(settings, models.draft),
+            "draft_precision": models.draft_precision,
             "configs": [c.name for c in bench.all_configs], "wall_s": time.perf_counter() - started}
     return BenchResult(settings, costs, records, dtype_costs, meta)
 
 
-def cost_label(settings: BenchSettings) -> str:
-    """FORMAT@KERNEL@ATTENTION as resolved on CPU; the draft's too when it differs."""
-    def label(dtype_name: str, linear_kernel: str) -> str:
-        dtype, cpu = parse_dtype(dtype_name), torch.device("cpu")
-        return (f"{dtype_name}@{resolve_kernel(linear_kernel, cpu, dtype)}"
-                f"@{resolve_attention(settings.attention_kernel, cpu, dtype)}")
-
-    target = label(settings.dtype, settings.linear_kernel)
-    draft = label(*settings.draft_precision)
-    return target if draft == target else f"{target}, draft {draft}"
+def cost_label(settings: BenchSettings, models: BenchModels) -> str:
+    """The target's FORMAT@KERNEL@ATTENTION as resolved on CPU, and the draft's."""
+    dtype, cpu = parse_dtype(settings.dtype), torch.device("cpu")
+    target = (f"{settings.dtype}@{resolve_kernel(settings.linear_kernel, cpu, dtype)}"
+              f"@{resolve_attention(settings.attention_kernel, cpu, dtype)}")
+    return f"{target}, draft {models.draft_precision}" if models.draft_precision else target
 
 
 def compare_dtypes(settings: BenchSettings,

@@ -175,8 +175,7 @@ def render(result: dict[str, Any], summary: dict[str, Any], command: str = "") -
            "(other jobs on the machine inflate every time alike)",
            f"- pair: target `{settings['target_model']}`, draft `{settings['draft_model']}`, "
            f"dtype {settings['dtype']}"
-           + (f" (draft {settings['draft_dtype']})"
-              if settings.get("draft_dtype") not in (None, "", settings["dtype"]) else "")
+           + (f" (draft: {meta['draft_precision']})" if meta.get("draft_precision") else "")
            + (" (the trained draft was absent: a stand-in, the target's first 2 layers)"
               if meta.get("draft_trained") is False else "")
            + (f"; transformers' assisted generation runs `{meta['assistant_model']}` (it "

@@ -34,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--assistant-model", "",
                 "token-only draft for transformers' assisted generation (default: the draft "
                 "model, or specdec-draft when the draft model is a feature draft)")
-    add_setting(parser, "--dtype", "bfloat16", "dtype of every system: bfloat16, float32")
+    add_setting(parser, "--dtype", "bfloat16",
+                "dtype of every system: bfloat16, float32 (the draft's: see --draft-dtype)")
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
     add_kernel_settings(parser)

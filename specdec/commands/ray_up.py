@@ -82,8 +82,12 @@ def run(args: argparse.Namespace) -> int:
                          getattr(args, f"{role}_replica_cpus"),
                          getattr(args, f"{role}_replica_gpus"), args.torch_threads)
              for role in ("target", "draft")]
-    ray.init(address=args.ray_address or None, include_dashboard=False,
-             logging_level=logging.WARNING)
+    try:
+        ray.init(address=args.ray_address or None, include_dashboard=False,
+                 logging_level=logging.WARNING)
+    except ConnectionError as error:
+        raise RuntimeError(f"cannot reach the Ray cluster at {args.ray_address!r}: {error} "
+                           "(is `ray start` running there? see --ray-address)") from None
     try:
         print(f"Ray cluster: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
               f"{ray.cluster_resources().get('GPU', 0):g} GPUs; starting "

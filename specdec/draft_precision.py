@@ -1,0 +1,119 @@
+"""The draft's dtype and linear kernel, chosen by measuring its decode step at load time.
+
+The draft's precision changes only its speed and how often the target accepts its
+tokens, never the output (exactness is defined against the target as served), so it can
+follow the hardware: measured T_draft(1), in ms, on two CPUs (docs/benchmarks.md 4j):
+
+    host              bfloat16/onednn   float32/torch   float32/skinny
+    AMD EPYC              2.6-4.2            6.7          2.8-3.3
+    Intel Xeon (AMX)      4.7-7.7          4.0-5.4          7.6
+
+No one fixed choice is fastest on both, so `--draft-dtype auto` times each candidate's
+one-token step, interleaved, and keeps the fastest. Off the CPU it keeps --dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kernels import resolve_kernel
+from specdec.models import LoadedModel, load_causal_lm, parse_dtype
+from specdec.runner import ModelRunner
+from specdec.timing import extend_timer
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+CONTEXT_TOKENS = 64
+TIMED_ROUNDS = 9
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: torch.dtype
+    linear_kernel: str
+
+    @property
+    def label(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}/{self.linear_kernel}"
+
+
+def candidates(device: torch.device, shared: Precision) -> list[Precision]:
+    """The shared precision first, then float32 with each CPU kernel ("auto" resolved)."""
+    options = [shared]
+    if device.type == "cpu":
+        options += [Precision(torch.float32, "torch"), Precision(torch.float32, "skinny")]
+    resolved = [Precision(option.dtype, resolve_kernel(option.linear_kernel, device,
+                                                       option.dtype)) for option in options]
+    return list(dict.fromkeys(resolved))
+
+
+@dataclass
+class Choice:
+    loaded: LoadedModel
+    precision: Precision
+    step_s: dict[str, float]  # median one-token step per candidate label
+
+    def describe(self) -> str:
+        if not self.step_s:
+            return f"{self.precision.label} (as set)"
+        times = ", ".join(f"{label} {seconds * 1000:.1f} ms"
+                          for label, seconds in self.step_s.items())
+        return f"{self.precision.label}, the fastest one-token step of {times}"
+
+
+def choose_fastest(options: list[Precision], load: Callable[[Precision], LoadedModel],
+                   runner_for: Callable[[LoadedModel], ModelRunner],
+                   rounds: int = TIMED_ROUNDS) -> Choice:
+    """Load each option, time its one-token step round-robin, keep the fastest."""
+    loaded = {option: load(option) for option in options}
+    if len(options) == 1:
+        return Choice(loaded[options[0]], options[0], {})
+    runners = {option: runner_for(model) for option, model in loaded.items()}
+    vocab = min(min(runner.vocab.target_vocab_size for runner in runners.values()), 4096)
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (CONTEXT_TOKENS + 1,), generator=generator).tolist()
+    timers = {option: extend_timer(runner, context[:-1], context[-1:])
+              for option, runner in runners.items()}
+    samples: dict[Precision, list[float]] = {option: [] for option in options}
+    try:
+        for call, _ in timers.values():  # untimed: allocation and kernel selection
+            call()
+        # Round-robin, so a machine that drifts during the measurement shifts all alike.
+        for _ in range(rounds):
+            for option, (call, _) in timers.items():
+                samples[option].append(call())
+    finally:
+        for _, release in timers.values():
+            release()
+    medians = {option: statistics.median(values) for option, values in samples.items()}
+    best = min(options, key=lambda option: medians[option])
+    return Choice(loaded[best], best, {option.label: medians[option] for option in options})
+
+
+def load_draft(name: str, device: torch.device, dtype_setting: str, linear_kernel: str, *,
+               shared_dtype: torch.dtype, attention_kernel: str,
+               target_vocab_size: int | None, progress: bool = False) -> Choice:
+    """The draft in dtype_setting: a dtype, or "auto" for the fastest of `candidates`
+    around the shared (target's) dtype, measured here."""
+    if dtype_setting == AUTO:
+        options = candidates(device, Precision(shared_dtype, linear_kernel))
+    else:
+        dtype = parse_dtype(dtype_setting)
+        options = [Precision(dtype, resolve_kernel(linear_kernel, device, dtype))]
+
+    def load(option: Precision) -> LoadedModel:
+        return load_causal_lm(name, device, option.dtype, progress=progress,
+                              linear_kernel=option.linear_kernel,
+                              attention_kernel=attention_kernel)
+
+    def runner_for(loaded: LoadedModel) -> ModelRunner:
+        return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,
+                           token_map=loaded.token_map)
+
+    return choose_fastest(options, load, runner_for)
