@@ -356,12 +356,15 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
     with Progress(*columns, disable=not settings.progress) as bar:
         setup = bar.add_task("loading / starting services", total=None)
         try:
-            if GRPC in settings.systems:  # the services load while this process does
+            if GRPC in settings.systems:
                 grpc = (grpc_factory or (lambda: ProcessStack(settings)))()
+                # Load here only once the services are up: `--draft-dtype auto` times the
+                # draft's step as it loads, and while three processes start on 2 cores
+                # every candidate measured 272 ms alike.
+                wait = getattr(grpc, "wait", None)
+                if wait is not None:
+                    wait()
             models = models or load_models(settings)
-            wait = getattr(grpc, "wait", None)
-            if wait is not None:
-                wait()
             bench = Bench(settings, models, grpc)
             calibration = 10 + 10 * len(settings.compare_dtypes)
             total = calibration + len(bench.all_configs) + bench.total_runs(prompts)
