@@ -196,7 +196,7 @@ class ProcessStack:
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 
     def wait(self) -> None:
-        """Block until all three report healthy (they load while this process does)."""
+        """Block until all three report healthy."""
         self.stack.wait_healthy(self.startup_timeout_s)
 
     def close(self) -> None:
