@@ -75,9 +75,9 @@ def add_draft_precision_settings(parser: argparse.ArgumentParser) -> None:
                 choices=("", *KERNELS))
 
 
-def draft_precision(args: argparse.Namespace) -> tuple[str, str]:
+def draft_precision(args: argparse.Namespace | Any) -> tuple[str, str]:
     """The draft's dtype setting ("auto" or a dtype) and linear kernel: its own settings,
-    else the shared ones."""
+    else the shared ones (args: flags, or anything with the same attributes)."""
     setting = getattr(args, "draft_dtype", "") or "auto"
     return (args.dtype if setting == "same" else setting,
             getattr(args, "draft_linear_kernel", "") or args.linear_kernel)

@@ -16,7 +16,6 @@ choice can be off (it only costs speed); set a dtype to pin it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,8 +25,6 @@ from specdec.kernels import resolve_kernel
 from specdec.models import LoadedModel, load_causal_lm, parse_dtype
 from specdec.runner import ModelRunner
 from specdec.timing import extend_timer
-
-log = logging.getLogger(__name__)
 
 AUTO = "auto"
 CONTEXT_TOKENS = 64

@@ -85,9 +85,9 @@ class BenchSettings:
     @property
     def draft_precision(self) -> tuple[str, str]:
         """The draft's dtype setting and linear kernel (its own, else the target's)."""
-        setting = self.draft_dtype or "auto"
-        return (self.dtype if setting == "same" else setting,
-                self.draft_linear_kernel or self.linear_kernel)
+        from specdec.config import draft_precision
+
+        return draft_precision(self)
 
 
 @dataclass
