@@ -10,6 +10,7 @@ same replica-set routing and health handling as on Kubernetes. Ray is optional
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,10 +143,12 @@ def start_replicas(specs: Sequence[ReplicaSpec], service_argv: Sequence[str],
                 runtime_env={"env_vars": env}).remote(spec.role, index, argv))
             labels.append(f"{spec.role} replica {index}")
     replicas = Replicas(actors, [])
+    deadline = time.monotonic() + timeout_s  # for all of them: they load in parallel
     try:
         for actor, label in zip(actors, labels, strict=True):
             try:
-                replicas.infos.append(ray.get(actor.describe.remote(), timeout=timeout_s))
+                replicas.infos.append(ray.get(actor.describe.remote(),
+                                              timeout=max(0.0, deadline - time.monotonic())))
             except GetTimeoutError:
                 raise RuntimeError(
                     f"{label} did not start within {timeout_s:.0f} s: the cluster may lack "
