@@ -128,35 +128,36 @@ class Replicas:
 
 def start_replicas(specs: Sequence[ReplicaSpec], service_argv: Sequence[str],
                    env: dict[str, str], timeout_s: float) -> Replicas:
-    """Start every replica (they load in parallel) and wait until each serves."""
+    """Start the replicas of each spec in turn (those of one spec load in parallel) and
+    wait until each serves. Specs in turn, target first: a draft times its precision as
+    it loads (--draft-dtype auto), which a target loading on the same node disturbs."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
     actor_class = ray.remote(ServiceReplica)
-    actors: list[Any] = []
-    labels: list[str] = []
-    for spec in specs:
-        argv = [*service_argv, "--torch-threads", str(spec.threads)]
-        for index in range(spec.count):
-            actors.append(actor_class.options(  # type: ignore[attr-defined]
-                num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0,
-                runtime_env={"env_vars": env}).remote(spec.role, index, argv))
-            labels.append(f"{spec.role} replica {index}")
-    replicas = Replicas(actors, [])
-    deadline = time.monotonic() + timeout_s  # for all of them: they load in parallel
+    replicas = Replicas([], [])
+    deadline = time.monotonic() + timeout_s  # for all of them together
     try:
-        for actor, label in zip(actors, labels, strict=True):
-            try:
-                replicas.infos.append(ray.get(actor.describe.remote(),
-                                              timeout=max(0.0, deadline - time.monotonic())))
-            except GetTimeoutError:
-                raise RuntimeError(
-                    f"{label} did not start within {timeout_s:.0f} s: the cluster may lack "
-                    "the CPUs/GPUs it asks for (see `ray status`)") from None
-            except RayActorError as error:
-                raise RuntimeError(f"{label} failed to start: {error}") from None
+        for spec in specs:
+            argv = [*service_argv, "--torch-threads", str(spec.threads)]
+            started: list[Any] = [actor_class.options(  # type: ignore[attr-defined]
+                num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0,
+                runtime_env={"env_vars": env}).remote(spec.role, index, argv)
+                for index in range(spec.count)]
+            replicas.actors += started
+            for index, actor in enumerate(started):
+                label = f"{spec.role} replica {index}"
+                try:
+                    replicas.infos.append(ray.get(
+                        actor.describe.remote(), timeout=max(0.0, deadline - time.monotonic())))
+                except GetTimeoutError:
+                    raise RuntimeError(
+                        f"{label} did not start within {timeout_s:.0f} s: the cluster may "
+                        "lack the CPUs/GPUs it asks for (see `ray status`)") from None
+                except RayActorError as error:
+                    raise RuntimeError(f"{label} failed to start: {error}") from None
     except BaseException:
-        for actor in actors:
+        for actor in replicas.actors:
             ray.kill(actor)
         raise
     return replicas

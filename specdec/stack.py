@@ -54,9 +54,10 @@ class Stack:
     def dead(self) -> list[str]:
         return [role for role, proc in self.processes.items() if proc.poll() is not None]
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float,
+                     roles: Sequence[str] = ("target", "draft", "coordinator")) -> None:
         deadline = time.monotonic() + timeout_s
-        for role in ("target", "draft", "coordinator"):
+        for role in roles:
             proc = self.processes[role]
             ok = wait_healthy(self.endpoint(role), max(0.0, deadline - time.monotonic()),
                               alive=functools.partial(_alive, proc))
@@ -75,7 +76,9 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         codes: dict[str, int | None] = {}
         for role in ROLES:
-            proc = self.processes[role]
+            proc = self.processes.get(role)
+            if proc is None:  # never started
+                continue
             try:
                 codes[role] = proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -90,12 +93,16 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
                 service_args: Sequence[str] = (), log_dir: Path | None = None,
                 env: dict[str, str] | None = None,
                 role_args: dict[str, Sequence[str]] | None = None,
-                role_env: dict[str, dict[str, str]] | None = None) -> Stack:
+                role_env: dict[str, dict[str, str]] | None = None,
+                draft_after_target_s: float = 0.0) -> Stack:
     """Start the three `specdec serve` processes; call wait_healthy() next.
 
     Children get their own session, so a Ctrl-C in the terminal reaches only the parent,
     which then stops them in order. role_args / role_env: extra flags / environment for
-    one role (they win).
+    one role (they win). draft_after_target_s > 0: start the draft only once the target
+    is healthy (waiting at most that long), because the draft times its precision as it
+    loads (--draft-dtype auto): beside the target's load on the same 2 cores it measured
+    19.5-22.7 ms for steps of 4-8 ms and chose the slowest kernel (docs/benchmarks.md 4j).
     """
     ports = dict(ports or {})
     for role in ROLES:
@@ -103,6 +110,12 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     stack = Stack(host, ports)
     child_env = {**SERVICE_THREAD_ENV, **os.environ, **(env or {})}
     for role in ("target", "draft", "coordinator"):
+        if role == "draft" and draft_after_target_s > 0:
+            try:
+                stack.wait_healthy(draft_after_target_s, roles=("target",))
+            except BaseException:
+                stack.stop()
+                raise
         command = [sys.executable, "-m", "specdec.cli", "serve", role, "--host", host,
                    "--port", str(ports[role]), *service_args, *(role_args or {}).get(role, ())]
         if role == "coordinator":

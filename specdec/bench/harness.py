@@ -191,7 +191,8 @@ class ProcessStack:
                 "--max-draft-tokens", str(max(16, settings.max_length))]
         self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         self.startup_timeout_s = settings.startup_timeout_s
-        self.stack = start_stack("127.0.0.1", {}, args, log_dir=self.log_dir)
+        self.stack = start_stack("127.0.0.1", {}, args, log_dir=self.log_dir,
+                                 draft_after_target_s=settings.startup_timeout_s)
         self.channel = grpc.insecure_channel(self.stack.endpoint("coordinator"))
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 

@@ -58,7 +58,8 @@ def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
     signal.signal(signal.SIGTERM, _interrupt)
     ports = {role: getattr(args, f"{role}_port") for role in ("coordinator", "draft", "target")}
     stack = start_stack("127.0.0.1", ports, service_args(args),
-                        log_dir=Path(args.log_dir) if args.log_dir else None, env=env)
+                        log_dir=Path(args.log_dir) if args.log_dir else None, env=env,
+                        draft_after_target_s=args.startup_timeout_s)
     try:
         stack.wait_healthy(args.startup_timeout_s)
     except BaseException:
