@@ -24,7 +24,7 @@ import torch
 from specdec.kernels import resolve_kernel
 from specdec.models import LoadedModel, load_causal_lm, parse_dtype
 from specdec.runner import ModelRunner
-from specdec.timing import extend_timer
+from specdec.timing import extend_timer, round_robin
 
 AUTO = "auto"
 CONTEXT_TOKENS = 64
@@ -78,14 +78,8 @@ def choose_fastest(options: list[Precision], load: Callable[[Precision], LoadedM
     context = torch.randint(0, vocab, (CONTEXT_TOKENS + 1,), generator=generator).tolist()
     timers = {option: extend_timer(runner, context[:-1], context[-1:])
               for option, runner in runners.items()}
-    samples: dict[Precision, list[float]] = {option: [] for option in options}
     try:
-        for call, _ in timers.values():  # untimed: allocation and kernel selection
-            call()
-        # Round-robin, so a machine that drifts during the measurement shifts all alike.
-        for _ in range(rounds):
-            for option, (call, _) in timers.items():
-                samples[option].append(call())
+        samples = round_robin({option: call for option, (call, _) in timers.items()}, rounds)
     finally:
         for _, release in timers.values():
             release()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
+from typing import TypeVar
 
 from specdec.runner import ModelRunner
+
+Key = TypeVar("Key", bound=Hashable)
 
 
 def extend_timer(runner: ModelRunner, context: list[int], new_tokens: list[int],
@@ -28,3 +31,20 @@ def extend_timer(runner: ModelRunner, context: list[int], new_tokens: list[int],
         runner.release(session)
 
     return call, release
+
+
+def round_robin(calls: Mapping[Key, Callable[[], float]], rounds: int,
+                on_last_round: Callable[[], None] | None = None) -> dict[Key, list[float]]:
+    """Each call's times over `rounds` rounds, the calls interleaved, after one untimed
+    pass (first calls pay allocation and kernel choice). Interleaved, a machine that
+    speeds up or slows down during the measurement shifts every call alike instead of
+    inflating whichever is timed first. on_last_round runs after each call of the last."""
+    for call in calls.values():
+        call()
+    samples: dict[Key, list[float]] = {key: [] for key in calls}
+    for round_index in range(rounds):
+        for key, call in calls.items():
+            samples[key].append(call())
+            if on_last_round is not None and round_index == rounds - 1:
+                on_last_round()
+    return samples

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.runner import ModelRunner
-from specdec.timing import extend_timer
+from specdec.timing import extend_timer, round_robin
 
 # Memory read bandwidth measured on the reference machine (2 threads), bytes per second.
 DEFAULT_BANDWIDTH = 15e9
@@ -142,11 +142,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _time_calls(call: Callable[[], float], repeats: int) -> list[float]:
-    call()  # warm-up: first calls pay allocator and kernel selection costs
-    return [call() for _ in range(repeats)]
-
-
 def _quartiles(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return values[0], values[0]
@@ -166,18 +161,10 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
     try:
         for k in range(1, max_k + 1):
             timers[k] = extend_timer(target, context, extra[:k])
-        samples: dict[int, list[float]] = {k: [] for k in timers}
-        # Round-robin over k, after one untimed pass: a machine that speeds up or slows
-        # down during the calibration then shifts every T_target(k) alike, instead of
-        # inflating whichever k is timed first (a likely cause of the eleventh session's
-        # T_target(1) above T_target(2..6)).
-        for call, _ in timers.values():
-            call()
-        for repeat in range(repeats):
-            for k, (call, _) in timers.items():
-                samples[k].append(call())
-                if progress is not None and repeat == repeats - 1:
-                    progress()
+        # Round-robin over k (a likely cause of the eleventh session's T_target(1) above
+        # T_target(2..6) was timing each k in one block).
+        samples = round_robin({k: call for k, (call, _) in timers.items()}, repeats,
+                              on_last_round=progress)
     finally:
         for _, release in timers.values():
             release()
@@ -187,7 +174,7 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
     if draft is not None:
         draft_call, draft_release = extend_timer(draft, context, extra[:1])
         try:
-            draft_samples = _time_calls(draft_call, max(repeats, 11))
+            draft_samples = round_robin({1: draft_call}, max(repeats, 11))[1]
         finally:
             draft_release()
         draft_s, draft_iqr = statistics.median(draft_samples), _quartiles(draft_samples)
