@@ -104,9 +104,11 @@ class BenchModels:
     assistant: Any | None = None
     assistant_token_map: torch.Tensor | None = None
     assistant_source: str = ""
-    # What the draft runs in (specdec.draft_precision), and the kernel hf-assisted's
-    # assistant then uses too.
+    # What the draft runs in (specdec.draft_precision): the short label for tables, the
+    # chooser's account with its timings for the report header, and the kernel
+    # hf-assisted's assistant then uses too.
     draft_precision: str = ""
+    draft_precision_detail: str = ""
     draft_linear_kernel: str = "auto"
 
 
@@ -153,7 +155,8 @@ def load_models(settings: BenchSettings) -> BenchModels:
     draft, precision = choice.loaded, choice.precision
     models = BenchModels(target.model, draft.model, draft.token_map, target.tokenizer,
                          info.eos_token_ids, str(resolve(settings.draft_model)),
-                         draft_precision=choice.describe(),
+                         draft_precision=precision.label,
+                         draft_precision_detail=choice.describe(),
                          draft_linear_kernel=precision.linear_kernel)
     assistant_name = assistant_model(settings, draft.model)
     if assistant_name != settings.draft_model:
@@ -387,7 +390,7 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
     meta = {"machine": machine_info(), "machine_at_start": start_machine,
             "draft_trained": draft_trained, "prompts": len(prompts),
             "assistant_model": assistant_model(settings, models.draft),
-            "draft_precision": models.draft_precision,
+            "draft_precision": models.draft_precision_detail or models.draft_precision,
             "configs": [c.name for c in bench.all_configs], "wall_s": time.perf_counter() - started}
     return BenchResult(settings, costs, records, dtype_costs, meta)
 
