@@ -42,6 +42,14 @@ def replica_endpoints(args: argparse.Namespace, channels: ChannelPool) -> Replic
 
 def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
            telemetry: Telemetry | None = None) -> ServerHandle:
+    return create_with_endpoints(args, interceptors, telemetry)[0]
+
+
+def create_with_endpoints(
+        args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
+        telemetry: Telemetry | None = None) -> tuple[ServerHandle, ReplicaEndpoints]:
+    """The server, and the replica sets it routes to (for a caller that replaces replicas,
+    e.g. `specdec ray`)."""
     # Only the target's tokenizer and config: the weights live in the target service.
     target = model_info(args.target_model)
     try:
@@ -64,4 +72,4 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
     handle.on_stop.append(channels.close)
     if telemetry is not None:
         handle.on_stop.append(telemetry.shutdown)  # flush the last spans
-    return handle
+    return handle, endpoints

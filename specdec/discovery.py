@@ -25,7 +25,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,19 @@ class ReplicaSet:
     def mark_up(self, endpoint: str) -> None:
         with self._lock:
             self._down.pop(endpoint, None)
+
+    def replace_static(self, endpoints: Sequence[str]) -> None:
+        """Swap a static list for a new one (a dead replica replaced at a new address).
+
+        Sessions pinned to an endpoint no longer listed move on their next call, as when
+        a pod leaves DNS; `on_change` gets the new list.
+        """
+        if self.spec.is_dns:
+            raise ValueError(f"{self.describe()} comes from DNS; its replicas change there")
+        if not endpoints:
+            raise ValueError("a replica set needs at least one endpoint")
+        self.spec = EndpointSpec(static=tuple(endpoints))
+        self.refresh()
 
     def refresh(self) -> None:
         """Re-resolve the spec now and probe replicas marked down."""

@@ -10,6 +10,8 @@ same replica-set routing and health handling as on Kubernetes. Ray is optional
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ class ReplicaInfo:
     address: str  # node-ip:port, reachable from the coordinator
     node_id: str
     metrics_port: int | None
+    pid: int  # the actor's process on its node
 
 
 class ServiceReplica:
@@ -77,7 +80,8 @@ class ServiceReplica:
         context = ray.get_runtime_context()
         self.info = ReplicaInfo(role, index,
                                 f"{ray.util.get_node_ip_address()}:{self.handle.port}",
-                                context.get_node_id(), self.telemetry.metrics_port)
+                                context.get_node_id(), self.telemetry.metrics_port,
+                                os.getpid())
 
     def describe(self) -> ReplicaInfo:
         return self.info
@@ -86,26 +90,71 @@ class ServiceReplica:
         self.handle.stop(grace_s)
 
 
-@dataclass
 class Replicas:
-    """The started actors, by role, with what each reported."""
+    """The started actors, by role, with what each reported; replaces dead ones.
 
-    actors: list[Any]
-    infos: list[ReplicaInfo]
+    Thread-safe: `specdec ray`'s watcher replaces replicas while the main thread may stop
+    them all.
+    """
+
+    def __init__(self, service_argv: Sequence[str], env: dict[str, str]) -> None:
+        self.service_argv = list(service_argv)
+        self.env = env
+        self.actors: list[Any] = []
+        self.infos: list[ReplicaInfo] = []
+        self._specs: dict[str, ReplicaSpec] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
 
     def endpoints(self, role: str) -> str:
         """The coordinator's --draft-endpoint / --target-endpoint: a host:port list."""
-        return ",".join(info.address for info in self.infos if info.role == role)
+        return ",".join(self.addresses(role))
+
+    def addresses(self, role: str) -> list[str]:
+        with self._lock:
+            return [info.address for info in self.infos if info.role == role]
+
+    def start(self, spec: ReplicaSpec, timeout_s: float) -> None:
+        """Start a spec's replicas (they load in parallel) and wait until each serves."""
+        self._specs[spec.role] = spec
+        started = [self._launch(spec, index) for index in range(spec.count)]
+        deadline = time.monotonic() + timeout_s
+        for index, actor in enumerate(started):
+            info = _wait_ready(actor, f"{spec.role} replica {index}",
+                               deadline - time.monotonic(), timeout_s)
+            with self._lock:
+                self.infos.append(info)
+
+    def replace(self, dead: ReplicaInfo, timeout_s: float) -> ReplicaInfo:
+        """Start a new replica in a dead one's place (same role, index and resources);
+        it may land on another node and port. Raises RuntimeError if it cannot serve."""
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the replicas are stopping")
+            position = self.infos.index(dead)
+            old_actor = self.actors[position]
+        actor = self._launch(self._specs[dead.role], dead.index)
+        info = _wait_ready(actor, f"replacement for {dead.role} replica {dead.index}",
+                           timeout_s, timeout_s)
+        with self._lock:
+            position = self.infos.index(dead)
+            self.infos[position] = info
+            self.actors.remove(actor)  # _launch listed it for stop(); now in dead's place
+            self.actors[position] = actor
+        _kill(old_actor)  # already gone; drops Ray's handle
+        return info
 
     def dead(self, timeout_s: float = 5.0) -> list[ReplicaInfo]:
         """Replicas whose actor is gone (node lost, process killed); a slow one is not."""
         import ray
         from ray.exceptions import RayActorError
 
-        pings = [actor.describe.remote() for actor in self.actors]
+        with self._lock:
+            pairs = list(zip(self.actors, self.infos, strict=False))
+        pings = [actor.describe.remote() for actor, _ in pairs]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
         gone = []
-        for ping, info in zip(pings, self.infos, strict=True):
+        for ping, (_, info) in zip(pings, pairs, strict=True):
             if ping in ready:
                 try:
                     ray.get(ping)
@@ -117,13 +166,54 @@ class Replicas:
         """Graceful stop (in-flight calls finish), then the actors are killed."""
         import ray
 
-        pending = [actor.stop.remote(grace_s) for actor in self.actors]
+        with self._lock:
+            self._stopped = True
+            actors = list(self.actors)
+        pending = [actor.stop.remote(grace_s) for actor in actors]
         try:
             ray.get(pending, timeout=grace_s + 10)
         except Exception as error:  # a dead replica cannot stop; kill the rest anyway
             log.warning("graceful stop of the replicas: %s", error)
-        for actor in self.actors:
-            ray.kill(actor)
+        for actor in actors:
+            _kill(actor)
+
+    def _launch(self, spec: ReplicaSpec, index: int) -> Any:
+        import ray
+
+        argv = [*self.service_argv, "--torch-threads", str(spec.threads)]
+        # Ray's own restart would bring the actor back without telling the coordinator
+        # its new address; Replicas.replace does both.
+        actor = ray.remote(ServiceReplica).options(  # type: ignore[attr-defined]
+            num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0,
+            runtime_env={"env_vars": self.env}).remote(spec.role, index, argv)
+        with self._lock:
+            self.actors.append(actor)  # listed at once, so stop() also kills one loading
+        return actor
+
+
+def _wait_ready(actor: Any, label: str, left_s: float, timeout_s: float) -> ReplicaInfo:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        info: ReplicaInfo = ray.get(actor.describe.remote(), timeout=max(0.0, left_s))
+        return info
+    except GetTimeoutError:
+        _kill(actor)
+        raise RuntimeError(
+            f"{label} did not start within {timeout_s:.0f} s: the cluster may lack the "
+            "CPUs/GPUs it asks for (see `ray status`)") from None
+    except RayActorError as error:
+        raise RuntimeError(f"{label} failed to start: {error}") from None
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception as error:  # noqa: BLE001 - an actor already gone cannot be killed
+        log.debug("ray.kill: %s", error)
 
 
 def start_replicas(specs: Sequence[ReplicaSpec], service_argv: Sequence[str],
@@ -131,33 +221,13 @@ def start_replicas(specs: Sequence[ReplicaSpec], service_argv: Sequence[str],
     """Start the replicas of each spec in turn (those of one spec load in parallel) and
     wait until each serves. Specs in turn, target first: a draft times its precision as
     it loads (--draft-dtype auto), which a target loading on the same node disturbs."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    actor_class = ray.remote(ServiceReplica)
-    replicas = Replicas([], [])
+    replicas = Replicas(service_argv, env)
     deadline = time.monotonic() + timeout_s  # for all of them together
     try:
         for spec in specs:
-            argv = [*service_argv, "--torch-threads", str(spec.threads)]
-            started: list[Any] = [actor_class.options(  # type: ignore[attr-defined]
-                num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0,
-                runtime_env={"env_vars": env}).remote(spec.role, index, argv)
-                for index in range(spec.count)]
-            replicas.actors += started
-            for index, actor in enumerate(started):
-                label = f"{spec.role} replica {index}"
-                try:
-                    replicas.infos.append(ray.get(
-                        actor.describe.remote(), timeout=max(0.0, deadline - time.monotonic())))
-                except GetTimeoutError:
-                    raise RuntimeError(
-                        f"{label} did not start within {timeout_s:.0f} s: the cluster may "
-                        "lack the CPUs/GPUs it asks for (see `ray status`)") from None
-                except RayActorError as error:
-                    raise RuntimeError(f"{label} failed to start: {error}") from None
+            replicas.start(spec, deadline - time.monotonic())
     except BaseException:
         for actor in replicas.actors:
-            ray.kill(actor)
+            _kill(actor)
         raise
     return replicas

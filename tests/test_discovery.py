@@ -186,6 +186,26 @@ def test_removing_a_replica_moves_only_its_sessions() -> None:
     assert len(Counter(after[s] for s in moved)) == 4
 
 
+def test_replacing_a_static_replica_moves_only_its_sessions_and_reports_the_list() -> None:
+    changes: list[list[str]] = []
+    replica_set = ReplicaSet(",".join(replicas(3)), on_change=changes.append, start=False)
+    before = assignment(replica_set)
+    gone, replacement = replicas(3)[1], "10.0.0.9:41234"  # restarted on another port
+    replica_set.mark_down(gone)
+    replica_set.replace_static([r for r in replicas(3) if r != gone] + [replacement])
+    after = assignment(replica_set)
+    assert set(changes[-1]) == {*replicas(3)[::2], replacement}
+    assert gone not in after.values() and replica_set._down == {}  # its mark is forgotten
+    # A survivor's session moves only if the replacement now wins it (rendezvous hashing).
+    assert all(after[s] in (before[s], replacement) for s in SESSIONS if before[s] != gone)
+    assert {after[s] for s in SESSIONS if before[s] == gone} <= {*replicas(3)[::2], replacement}
+    with pytest.raises(ValueError, match="at least one"):
+        replica_set.replace_static([])
+    dns = ReplicaSet("dns:///draft:50052", resolver=FakeDNS(replicas(2)), start=False)
+    with pytest.raises(ValueError, match="DNS"):
+        dns.replace_static(replicas(1))
+
+
 def test_mark_down_moves_only_that_replicas_sessions_until_cooldown() -> None:
     clock = FakeClock()
     replica_set = ReplicaSet(",".join(replicas(4)), cooldown_s=30, clock=clock)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from specdec.config import add_setting
 from specdec.telemetry.settings import add_telemetry_settings, trace_file_for
 
 if TYPE_CHECKING:
+    from coordinator.endpoints import ReplicaEndpoints
     from specdec.ray_replicas import Replicas
 
 log = logging.getLogger(__name__)
@@ -22,7 +24,6 @@ log = logging.getLogger(__name__)
 # Environment the replicas need wherever Ray places them: tracing export, model cache,
 # offline hub, and the OpenMP waiting policy `specdec up` gives its services.
 FORWARDED_ENV_PREFIXES = ("OTEL_", "SPECDEC_", "HF_")
-WATCH_INTERVAL_S = 10.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,7 +45,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--coordinator-port", 50051, "coordinator port (0 = any free port)",
                 type=int)
     add_setting(parser, "--startup-timeout-s", 300.0,
-                "how long to wait for every replica to load and serve", type=float)
+                "how long to wait for every replica to load and serve (and for a "
+                "replacement to)", type=float)
+    add_setting(parser, "--watch-interval-s", 10.0,
+                "how often to check that every replica's actor is alive; a dead one is "
+                "replaced", type=float)
     add_service_settings(parser)
     add_telemetry_settings(parser)
     parser.set_defaults(func=run)
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                          getattr(args, f"{role}_replica_cpus"),
                          getattr(args, f"{role}_replica_gpus"), args.torch_threads)
              for role in ("target", "draft")]
+    check_reachable(args.ray_address)
     try:
         ray.init(address=args.ray_address or None, include_dashboard=False,
                  logging_level=logging.WARNING)
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             for info in replicas.infos:
                 metrics = f"  metrics :{info.metrics_port}" if info.metrics_port else ""
                 print(f"{info.role} replica {info.index}  {info.address}  "
-                      f"node {info.node_id[:12]}{metrics}", flush=True)
+                      f"node {info.node_id[:12]}  pid {info.pid}{metrics}", flush=True)
             coordinator_args = serve_parser().parse_args([
                 "coordinator", "--host", args.host, "--port", str(args.coordinator_port),
                 "--draft-endpoint", replicas.endpoints("draft"),
@@ -107,9 +113,12 @@ def run(args: argparse.Namespace) -> int:
             from coordinator import server
 
             telemetry = Telemetry.from_args(args, "coordinator")
-            handle = server.create(coordinator_args, telemetry=telemetry)
+            handle, endpoints = server.create_with_endpoints(coordinator_args,
+                                                             telemetry=telemetry)
             stopped = threading.Event()
-            watcher = threading.Thread(target=_watch, args=(replicas, stopped), daemon=True)
+            watcher = threading.Thread(
+                target=_watch, args=(replicas, endpoints, stopped, args.watch_interval_s,
+                                     args.startup_timeout_s), daemon=True)
             watcher.start()
             print(f"ready: specdec generate \"Hello\" --endpoint {handle.address}   "
                   "(Ctrl-C stops the coordinator and every replica)", flush=True)
@@ -125,13 +134,39 @@ def run(args: argparse.Namespace) -> int:
         ray.shutdown()  # disconnects; a local Ray started by this run also stops
 
 
-def _watch(replicas: Replicas, stopped: threading.Event) -> None:
-    """Report replicas that die; the coordinator routes around them meanwhile."""
-    reported: set[tuple[str, int]] = set()
-    while not stopped.wait(WATCH_INTERVAL_S):
-        for info in replicas.dead():
-            if (info.role, info.index) not in reported:
-                reported.add((info.role, info.index))
-                log.warning("%s replica %d (%s) is gone; the coordinator routes around it "
-                            "(restart `specdec ray` to replace it)", info.role, info.index,
-                            info.address)
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a host:port nothing listens on (ray.init would retry for minutes)."""
+    if not address or address == "auto" or "://" in address:
+        return  # a local Ray, this node's, or a Ray Client URI: ray.init reports those
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise RuntimeError(f"--ray-address {address!r} is not host:port, 'auto' or empty")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise RuntimeError(f"cannot reach the Ray cluster at {address!r}: {error} (is "
+                           "`ray start --head` running there? see --ray-address)") from None
+
+
+def _watch(replicas: Replicas, endpoints: ReplicaEndpoints, stopped: threading.Event,
+           interval_s: float, timeout_s: float) -> None:
+    """Replace replicas that die. Until a replacement serves, the coordinator routes
+    around the dead one (sessions move and re-send their prefix); then the replica set
+    lists the new address and new sessions spread over it again."""
+    while not stopped.wait(interval_s):
+        for dead in replicas.dead():
+            if stopped.is_set():
+                return
+            log.warning("%s replica %d (%s) is gone; starting a replacement", dead.role,
+                        dead.index, dead.address)
+            try:
+                info = replicas.replace(dead, timeout_s)
+            except RuntimeError as error:  # tried again at the next check
+                log.error("could not replace %s replica %d: %s", dead.role, dead.index,
+                          error)
+                continue
+            replica_set = endpoints.target if info.role == "target" else endpoints.draft
+            if replica_set is not None:
+                replica_set.replace_static(replicas.addresses(info.role))
+            print(f"replaced {info.role} replica {info.index}: {dead.address} -> "
+                  f"{info.address}  node {info.node_id[:12]}  pid {info.pid}", flush=True)
