@@ -134,8 +134,14 @@ class Replicas:
             position = self.infos.index(dead)
             old_actor = self.actors[position]
         actor = self._launch(self._specs[dead.role], dead.index)
-        info = _wait_ready(actor, f"replacement for {dead.role} replica {dead.index}",
-                           timeout_s, timeout_s)
+        try:
+            info = _wait_ready(actor, f"replacement for {dead.role} replica {dead.index}",
+                               timeout_s, timeout_s)
+        except RuntimeError:
+            with self._lock:
+                self.actors.remove(actor)
+            _kill(actor)
+            raise
         with self._lock:
             position = self.infos.index(dead)
             self.infos[position] = info
