@@ -32,5 +32,6 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
     runner = serving_runner(choice.loaded, target_vocab_size=vocab,
                             kv_budget_mb=args.kv_budget_mb)
     servicer = DraftServicer(runner, session_ttl_s=args.session_ttl_s,
-                             max_draft_tokens=args.max_draft_tokens, telemetry=telemetry)
+                             max_draft_tokens=args.max_draft_tokens, telemetry=telemetry,
+                             precision=choice.describe())
     return start_model_server(servicer, args, interceptors, telemetry)

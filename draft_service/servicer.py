@@ -20,8 +20,10 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
-                 max_draft_tokens: int = 64, telemetry: Telemetry | None = None) -> None:
+                 max_draft_tokens: int = 64, telemetry: Telemetry | None = None,
+                 precision: str = "") -> None:
         self.runner = runner
+        self.precision = precision  # specdec.draft_precision.Choice.describe()
         self.telemetry = telemetry or Telemetry("draft")
         self.telemetry.watch_runner(runner)
         self.sessions = SessionTable(runner, session_ttl_s)
@@ -85,7 +87,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     @rpc_errors
     def Describe(self, request: draft_pb2.DescribeRequest,
                  context: grpc.ServicerContext) -> draft_pb2.DescribeResponse:
-        return draft_pb2.DescribeResponse(target_hidden_size=self.runner.target_hidden_size)
+        return draft_pb2.DescribeResponse(target_hidden_size=self.runner.target_hidden_size,
+                                          precision=self.precision)
 
     @rpc_errors
     def Release(self, request: draft_pb2.DraftReleaseRequest,

@@ -11,11 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from tiny_models import save_tiny_pair
 
 from specdec.grpc_server import check_health
+from specdec.proto.specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.stack import free_port
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
@@ -50,6 +52,10 @@ def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) ->
         assert lines and lines[-1].startswith("ready"), "".join(lines)
         for role, port in ports.items():
             assert check_health(f"127.0.0.1:{port}"), role
+        with grpc.insecure_channel(f"127.0.0.1:{ports['draft']}") as channel:
+            described = draft_pb2_grpc.DraftStub(channel).Describe(
+                draft_pb2.DescribeRequest(), timeout=10)
+        assert described.precision == "float32/torch (as set)"  # what operators see
 
         result = subprocess.run(
             [*SPECDEC, "generate", "Hello there", "--chat", "--max-new-tokens", "12",

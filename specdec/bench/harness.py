@@ -203,6 +203,18 @@ class ProcessStack:
         """Block until all three report healthy."""
         self.stack.wait_healthy(self.startup_timeout_s)
 
+    def draft_precision(self) -> str:
+        """What the draft service runs in: it chooses for itself (--draft-dtype auto), and
+        may choose otherwise than this process did."""
+        import grpc
+
+        from specdec.proto.specdec.v1 import draft_pb2, draft_pb2_grpc
+
+        with grpc.insecure_channel(self.stack.endpoint("draft")) as channel:
+            described = draft_pb2_grpc.DraftStub(channel).Describe(
+                draft_pb2.DescribeRequest(), timeout=10)
+        return str(described.precision)
+
     def close(self) -> None:
         self.channel.close()
         self.stack.stop()
@@ -357,6 +369,7 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
     columns = (TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
     grpc: GrpcEndpoint | None = None
+    grpc_draft_precision = ""
     with Progress(*columns, disable=not settings.progress) as bar:
         setup = bar.add_task("loading / starting services", total=None)
         try:
@@ -368,6 +381,9 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
                 wait = getattr(grpc, "wait", None)
                 if wait is not None:
                     wait()
+                describe = getattr(grpc, "draft_precision", None)
+                if describe is not None:
+                    grpc_draft_precision = describe()
             models = models or load_models(settings)
             bench = Bench(settings, models, grpc)
             calibration = 10 + 10 * len(settings.compare_dtypes)
@@ -391,6 +407,7 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
             "draft_trained": draft_trained, "prompts": len(prompts),
             "assistant_model": assistant_model(settings, models.draft),
             "draft_precision": models.draft_precision_detail or models.draft_precision,
+            "grpc_draft_precision": grpc_draft_precision,
             "configs": [c.name for c in bench.all_configs], "wall_s": time.perf_counter() - started}
     return BenchResult(settings, costs, records, dtype_costs, meta)
 

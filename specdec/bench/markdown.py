@@ -176,6 +176,8 @@ def render(result: dict[str, Any], summary: dict[str, Any], command: str = "") -
            f"- pair: target `{settings['target_model']}`, draft `{settings['draft_model']}`, "
            f"dtype {settings['dtype']}"
            + (f" (draft: {meta['draft_precision']})" if meta.get("draft_precision") else "")
+           + (f"; the gRPC draft service chose {meta['grpc_draft_precision']}"
+              if meta.get("grpc_draft_precision") else "")
            + (" (the trained draft was absent: a stand-in, the target's first 2 layers)"
               if meta.get("draft_trained") is False else "")
            + (f"; transformers' assisted generation runs `{meta['assistant_model']}` (it "

@@ -169,18 +169,26 @@ class DescribeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TARGET_HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    PRECISION_FIELD_NUMBER: _builtins.int
     target_hidden_size: _builtins.int
     """Width of the target hidden states each Propose must carry; 0 = the draft proposes
     from tokens alone.
+    """
+    precision: _builtins.str
+    """What the draft runs in and how it was chosen, e.g. "float32/torch, the fastest
+    one-token step of bfloat16/onednn 4.2 ms, float32/torch 3.6 ms, ..." (--draft-dtype
+    auto), or "bfloat16/onednn (as set)". For operators and benchmarks; the output does
+    not depend on it.
     """
     def __init__(
         self,
         *,
         target_hidden_size: _builtins.int = ...,
+        precision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["target_hidden_size", b"target_hidden_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["precision", b"precision", "target_hidden_size", b"target_hidden_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
