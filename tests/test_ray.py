@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -58,31 +59,27 @@ class Output:
             self._queue.put(line)
         self._queue.put(None)
 
-    def until(self, prefix: str, timeout_s: float) -> str:
+    def _lines(self, timeout_s: float) -> Iterator[str]:
+        """Lines as they come, until the process closes its stdout or time runs out."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
                 line = self._queue.get(timeout=left)
             except queue.Empty:
-                break
+                return
             if line is None:
-                break
+                return
+            yield line
+
+    def until(self, prefix: str, timeout_s: float) -> str:
+        for line in self._lines(timeout_s):
             self.lines.append(line)
             if line.startswith(prefix):
                 return line
         raise AssertionError(f"no line starting {prefix!r}:\n" + "".join(self.lines))
 
     def rest(self, timeout_s: float) -> str:
-        deadline, rest = time.monotonic() + timeout_s, []
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            rest.append(line)
-        return "".join(rest)
+        return "".join(self._lines(timeout_s))
 
 
 def generate_all(port: int) -> tuple[list[coordinator_pb2.GenerateResponse],
