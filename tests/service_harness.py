@@ -40,6 +40,7 @@ class Services:
     target_interceptors: Sequence[grpc.ServerInterceptor] = ()
     target_kv_budget_bytes: int | None = None
     draft_token_map: torch.Tensor | None = None  # reduced-vocabulary draft
+    draft_precision_text: str = ""  # what Draft.Describe reports
 
     def __post_init__(self) -> None:
         self.draft: DraftServicer | None = None
@@ -71,7 +72,8 @@ class Services:
         vocab = int(self.target_model.config.vocab_size)
         runner = ModelRunner(self.draft_model, target_vocab_size=vocab,
                              token_map=self.draft_token_map)
-        self.draft = DraftServicer(runner, session_ttl_s=self.session_ttl_s)
+        self.draft = DraftServicer(runner, session_ttl_s=self.session_ttl_s,
+                                   precision=self.draft_precision_text)
         self.draft_server = build_server([self.draft.service()], port=self.draft_port,
                                          interceptors=self.draft_interceptors)
         self.draft_port = self.draft_server.port
@@ -79,6 +81,12 @@ class Services:
     @property
     def draft_endpoint(self) -> str:
         return f"127.0.0.1:{self.draft_port}"
+
+    def draft_precision(self) -> str:
+        """As specdec bench's ProcessStack answers it: through Draft.Describe."""
+        from specdec.bench.harness import described_draft_precision
+
+        return described_draft_precision(self.draft_endpoint)
 
     @property
     def target_endpoint(self) -> str:

@@ -145,7 +145,8 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
     prompts = [p for p in load_prompts() if p.id[-2:] in ("01", "02")]
 
     def services() -> Services:
-        return Services(tiny_pair.draft, tiny_pair.target, draft_token_map=tiny_pair.token_map)
+        return Services(tiny_pair.draft, tiny_pair.target, draft_token_map=tiny_pair.token_map,
+                        draft_precision_text="float32/torch (as set)")
 
     def runners(name: str) -> tuple[object, object]:
         from specdec.runner import ModelRunner
@@ -188,7 +189,10 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
     assert greedy["specdec-local k=adaptive"]["all"]["chosen_lengths"]
     assert set(data["costs"]["t_target_s"]) == {str(k) for k in range(1, 10)}
     assert [c["label"] for c in data["dtype_costs"]] == ["float32"]
+    # The draft service's own precision, asked over gRPC (it may differ from the bench's).
+    assert data["meta"]["grpc_draft_precision"] == "float32/torch (as set)"
     markdown = paths["markdown"].read_text()
+    assert "the gRPC draft service chose float32/torch (as set)" in markdown
     for needle in ("## Measured costs", "## greedy", "## t1", "per category", "per round",
                    "specdec-grpc k=adaptive", "hf-assisted", "## Goals",
                    "against target-only over gRPC", "the services' own costs"):

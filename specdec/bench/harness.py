@@ -118,6 +118,20 @@ class GrpcEndpoint(Protocol):
     def close(self) -> None: ...
 
 
+def described_draft_precision(endpoint: str) -> str:
+    """What a draft service runs in (Draft.Describe): it chooses for itself with
+    --draft-dtype auto, and may choose otherwise than the bench process did. An endpoint
+    that has it offers `draft_precision()`; the bench records the answer."""
+    import grpc
+
+    from specdec.proto.specdec.v1 import draft_pb2, draft_pb2_grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        described = draft_pb2_grpc.DraftStub(channel).Describe(draft_pb2.DescribeRequest(),
+                                                               timeout=10)
+    return str(described.precision)
+
+
 @dataclass
 class BenchResult:
     settings: BenchSettings
@@ -204,16 +218,7 @@ class ProcessStack:
         self.stack.wait_healthy(self.startup_timeout_s)
 
     def draft_precision(self) -> str:
-        """What the draft service runs in: it chooses for itself (--draft-dtype auto), and
-        may choose otherwise than this process did."""
-        import grpc
-
-        from specdec.proto.specdec.v1 import draft_pb2, draft_pb2_grpc
-
-        with grpc.insecure_channel(self.stack.endpoint("draft")) as channel:
-            described = draft_pb2_grpc.DraftStub(channel).Describe(
-                draft_pb2.DescribeRequest(), timeout=10)
-        return str(described.precision)
+        return described_draft_precision(self.stack.endpoint("draft"))
 
     def close(self) -> None:
         self.channel.close()
