@@ -28,9 +28,11 @@ PRECISIONS = {"bfloat16/onednn": (torch.bfloat16, "auto"),
               "float32/torch": (torch.float32, "torch")}
 
 
-def target_vocab_probs(loaded: models.LoadedModel, ids: list[int]) -> torch.Tensor:
+def target_vocab_probs(loaded: models.LoadedModel, ids: list[int],
+                       target_vocab_size: int) -> torch.Tensor:
     """T=1 probabilities after every prefix of ids, in the target's vocabulary."""
-    runner = ModelRunner(loaded.model, target_vocab_size=49152, token_map=loaded.token_map)
+    runner = ModelRunner(loaded.model, target_vocab_size=target_vocab_size,
+                         token_map=loaded.token_map)
     result = runner.extend("probe", 0, 0, ids, num_logits=len(ids),
                            target_hidden=runner.placeholder_hidden(len(ids)))
     runner.release("probe")
@@ -48,6 +50,7 @@ def main() -> None:
     drafts = {label: models.load_causal_lm(models.DEFAULT_DRAFT, cpu, dtype, progress=False,
                                            linear_kernel=kernel)
               for label, (dtype, kernel) in PRECISIONS.items()}
+    vocab = int(target.model.config.vocab_size)
     encode = chat_encoder(target.tokenizer)
     acceptance: dict[str, list[float]] = {label: [] for label in drafts}
     for prompt in select(load_prompts(), args.prompts_per_category):
@@ -60,9 +63,9 @@ def main() -> None:
                 text.append(int(torch.multinomial(torch.softmax(logits, -1), 1,
                                                   generator=generator)))
         rows = slice(len(prompt_ids) - 1, len(text) - 1)
-        target_probs = target_vocab_probs(target, text)[rows]
+        target_probs = target_vocab_probs(target, text, vocab)[rows]
         for label, draft in drafts.items():
-            draft_probs = target_vocab_probs(draft, text)[rows]
+            draft_probs = target_vocab_probs(draft, text, vocab)[rows]
             acceptance[label].append(
                 float(torch.minimum(target_probs, draft_probs).sum(-1).mean()))
     for label, values in acceptance.items():
