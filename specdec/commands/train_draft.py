@@ -27,6 +27,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--draft-layers", 2, "transformer layers in the draft", type=int)
     add_setting(parser, "--draft-vocab", 8192, "reduced vocabulary of the draft head", type=int)
     add_setting(parser, "--epochs", 3.0, "passes over the data", type=float)
+    add_setting(parser, "--lr", 5e-4, "peak learning rate", type=float)
+    add_setting(parser, "--init-draft", "",
+                "continue distilling this trained draft (a folder with token_map.json) "
+                "instead of starting from the target's first layers")
     add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
     parser.set_defaults(func=run)
 
@@ -44,16 +48,26 @@ def add_data_settings(parser: argparse.ArgumentParser, out_dir: Path) -> None:
     add_setting(parser, "--wide-shards", 80,
                 "data shards from the wider prompt set (draft_training/wide_prompts.py)", type=int)
     add_setting(parser, "--batch-size", 48, "prompts per data shard", type=int)
+    add_setting(parser, "--data-dtype", "float32",
+                "dtype the target generates the data in", choices=("float32", "bfloat16"))
+    add_setting(parser, "--data-temperatures", "0,1",
+                "decoding temperature of shard i: item i mod n of this list (0 = greedy)")
+    add_setting(parser, "--data-seed", 0, "seed of the sampled shards", type=int)
 
 
 def generate_data(args: argparse.Namespace, target_dir: str, work_dir: Path) -> None:
+    import torch
+
     from specdec.draft_training.datagen import generate_shards
 
+    temperatures = tuple(float(t) for t in args.data_temperatures.split(","))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.data_dtype]
     started = time.monotonic()  # one budget for both prompt sets
     for prompt_set, max_shards in (("templated", args.max_shards), ("wide", args.wide_shards)):
         remaining_s = args.data_budget_s - (time.monotonic() - started)
         generate_shards(target_dir, work_dir / "data", batch_size=args.batch_size,
-                        max_shards=max_shards, time_budget_s=remaining_s, prompt_set=prompt_set)
+                        max_shards=max_shards, time_budget_s=remaining_s, prompt_set=prompt_set,
+                        dtype=dtype, temperatures=temperatures, seed=args.data_seed)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
         summary = train(target_dir, work_dir / "data", work_dir, out_dir,
                         vocab_size=args.draft_vocab, num_layers=args.draft_layers,
-                        epochs=args.epochs)
+                        epochs=args.epochs, lr=args.lr,
+                        init_draft=Path(args.init_draft) if args.init_draft else None)
         print(json.dumps(summary, indent=2))
     if "eval" in args.stages:
         report = evaluate_draft(target_dir, out_dir, args.eval_prompts)

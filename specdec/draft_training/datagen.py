@@ -1,10 +1,10 @@
 """Distillation data: the target's own continuations and its top-k distribution per position.
 
 Each shard is one batch of prompts, written atomically as shard-NNNNN.pt, so an
-interrupted run resumes at the first missing shard. Even shards decode greedily (the
-contexts a T=0 request produces), odd shards sample at T=1 (the contexts of sampled
-requests); both store the target's unprocessed T=1 distribution, which is what the
-draft learns.
+interrupted run resumes at the first missing shard. Shard i decodes at
+temperatures[i % len(temperatures)]: by default even shards greedily (the contexts a T=0
+request produces) and odd shards at T=1 (the contexts of sampled requests). Every shard
+stores the target's unprocessed T=1 distribution, which is what the draft learns.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ def interleave_by_category(prompts: list[Prompt]) -> list[Prompt]:
 
 def generate_shards(target_dir: str, out_dir: Path, batch_size: int = 48,
                     max_new_tokens: int = 128, top_k: int = 16, max_shards: int = 100,
-                    time_budget_s: float = float("inf"), prompt_set: str = "templated") -> None:
+                    time_budget_s: float = float("inf"), prompt_set: str = "templated",
+                    dtype: torch.dtype = torch.float32,
+                    temperatures: tuple[float, ...] = (0.0, 1.0), seed: int = 0) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
     prefix, generate = PROMPT_SETS[prompt_set]
     train_prompts, _ = split(generate())
     prompts = interleave_by_category(train_prompts)
@@ -63,11 +65,14 @@ def generate_shards(target_dir: str, out_dir: Path, batch_size: int = 48,
                                                    add_generation_prompt=True, tokenize=False)
                      for p in batch]
             encoded = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
-            greedy = shard % 2 == 0
+            temperature = temperatures[shard % len(temperatures)]
+            greedy = temperature == 0.0
+            torch.manual_seed(seed * 1_000_003 + shard)  # a resumed shard samples the same text
             with torch.no_grad():
                 out = model.generate(
                     **encoded, max_new_tokens=max_new_tokens, do_sample=not greedy,
-                    temperature=1.0, top_k=0, top_p=1.0, return_dict_in_generate=True,
+                    temperature=temperature if not greedy else 1.0, top_k=0, top_p=1.0,
+                    return_dict_in_generate=True,
                     output_logits=True, pad_token_id=tokenizer.eos_token_id)
             logits = torch.stack(out.logits, dim=1)  # [B, new, V]
             top = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
@@ -87,6 +92,6 @@ def generate_shards(target_dir: str, out_dir: Path, batch_size: int = 48,
                 })
                 total_tokens += length
             tmp = path.with_suffix(".tmp")
-            torch.save({"greedy": greedy, "records": records}, tmp)
+            torch.save({"greedy": greedy, "temperature": temperature, "records": records}, tmp)
             tmp.rename(path)
             bar.update(task, advance=1, tokens=total_tokens)

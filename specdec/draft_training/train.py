@@ -111,24 +111,37 @@ def _loss(draft: LlamaForCausalLM, batch: list[Record], input_map: torch.Tensor,
     return -(probs * log_q_at).sum(1).mean()
 
 
+def load_draft(draft_dir: Path) -> tuple[LlamaForCausalLM, list[int]]:
+    """A trained draft and its token map, to continue distilling it on new data."""
+    draft = LlamaForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    token_map = json.loads((draft_dir / "token_map.json").read_text())["target_ids"]
+    return draft, token_map
+
+
 def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
           vocab_size: int = 8192, num_layers: int = 2, epochs: float = 2.0,
           batch_size: int = 16, lr: float = 5e-4, checkpoint_every_s: float = 300.0,
-          eos_ids: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+          eos_ids: tuple[int, ...] = (1, 2), init_draft: Path | None = None) -> dict[str, Any]:
+    """Distil a draft from the shards in data_dir: a new one initialised from the target,
+    or, with init_draft, that trained draft (same token map and layers) continued."""
     started = time.monotonic()
     records = load_records(data_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "checkpoint.pt"
     map_path = work_dir / "token_map.json"
-    if map_path.exists():
-        token_map = json.loads(map_path.read_text())["target_ids"]
-    else:
-        token_map = build_token_map(records, vocab_size, list(eos_ids))
+    if init_draft is not None:
+        draft, token_map = load_draft(init_draft)
         map_path.write_text(json.dumps({"target_ids": token_map}))
+    else:
+        if map_path.exists():
+            token_map = json.loads(map_path.read_text())["target_ids"]
+        else:
+            token_map = build_token_map(records, vocab_size, list(eos_ids))
+            map_path.write_text(json.dumps({"target_ids": token_map}))
+        draft = make_draft(target_dir, token_map, num_layers)
     unk_row = len(token_map)
     input_map = torch.full((49152 if max(token_map) < 49152 else max(token_map) + 1,), unk_row)
     input_map[torch.tensor(token_map)] = torch.arange(unk_row)
-    draft = make_draft(target_dir, token_map, num_layers)
     rng = random.Random(0)
     steps_per_epoch = math.ceil(len(records) / batch_size)
     total_steps = int(steps_per_epoch * epochs)
@@ -148,7 +161,8 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     shards = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir))
     summary = {"sequences": len(records), "tokens": tokens, "steps": total_steps,
                "shards": dict(sorted(shards.items())),
-               "final_loss": final["loss"],
+               "final_loss": final["loss"], "lr": lr,
+               "init_draft": str(init_draft) if init_draft is not None else None,
                "train_s": time.monotonic() - started, "resumed_from_step": resumed_from_step,
                "parameters": sum(p.numel() for p in draft.parameters())}
     (work_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))

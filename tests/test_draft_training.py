@@ -1,0 +1,82 @@
+"""The draft pipeline's data and training stages on a tiny target with SmolLM2's tokenizer:
+per-shard temperatures, seeded sampling, and continuing a trained draft."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdec.draft_training.datagen import generate_shards
+from specdec.draft_training.train import _loss, load_records, make_draft, train
+from tests.tiny_models import save_tiny_pair
+
+
+@pytest.fixture(scope="module")
+def target_and_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("draft-training")
+    target, _ = save_tiny_pair(root)
+    generate_shards(str(target), root / "data", batch_size=3, max_new_tokens=6, top_k=4,
+                    max_shards=2, temperatures=(0.0, 0.7), seed=5, dtype=torch.bfloat16)
+    return target, root / "data"
+
+
+def test_shards_take_their_temperature_in_turn_and_sampling_is_seeded(
+        target_and_data: tuple[Path, Path], tmp_path: Path) -> None:
+    target, data = target_and_data
+    greedy, sampled = (torch.load(p) for p in sorted(data.glob("shard-*.pt")))
+    assert (greedy["temperature"], greedy["greedy"]) == (0.0, True)
+    assert (sampled["temperature"], sampled["greedy"]) == (0.7, False)
+    record = sampled["records"][0]
+    assert record["topk_ids"].shape == (len(record["new_ids"]), 4)
+
+    def sampled_ids(seed: int, out: Path) -> list[list[int]]:
+        generate_shards(str(target), out, batch_size=3, max_new_tokens=6, top_k=4,
+                        max_shards=2, temperatures=(0.0, 0.7), seed=seed, dtype=torch.bfloat16)
+        return [r["new_ids"].tolist() for r in torch.load(out / "shard-00001.pt")["records"]]
+
+    assert sampled_ids(5, tmp_path / "same") == [r["new_ids"].tolist() for r in sampled["records"]]
+    assert sampled_ids(6, tmp_path / "other") != sampled_ids(5, tmp_path / "same")
+
+
+def test_training_continues_the_given_draft(target_and_data: tuple[Path, Path],
+                                            tmp_path: Path) -> None:
+    target, data = target_and_data
+    records = load_records(data)
+    token_map = sorted({int(t) for r in records for t in r["topk_ids"].flatten()} | {1, 2})
+    initial = tmp_path / "initial"
+    draft = make_draft(str(target), token_map, num_layers=2)
+    with torch.no_grad():  # so it differs from the draft a fresh run would make
+        for parameter in draft.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    draft.save_pretrained(initial)
+    (initial / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+
+    # lr 0: the output is the given draft itself, not a fresh one made from the target
+    unchanged = tmp_path / "unchanged"
+    train(str(target), data, tmp_path / "work0", unchanged, epochs=1, batch_size=2, lr=0.0,
+          init_draft=initial)
+    before, after = (load_file(d / "model.safetensors") for d in (initial, unchanged))
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert json.loads((unchanged / "token_map.json").read_text())["target_ids"] == token_map
+
+    trained = tmp_path / "trained"
+    summary = train(str(target), data, tmp_path / "work1", trained, epochs=20, batch_size=2,
+                    lr=1e-2, init_draft=initial)
+    assert summary["init_draft"] == str(initial)
+
+    def mean_loss(draft_dir: Path) -> float:
+        from transformers import LlamaForCausalLM
+
+        draft = LlamaForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+        unk_row = len(token_map)
+        input_map = torch.full((49152,), unk_row)
+        input_map[torch.tensor(token_map)] = torch.arange(unk_row)
+        with torch.no_grad():
+            return float(_loss(draft, records, input_map, unk_row))
+
+    assert mean_loss(trained) < 0.9 * mean_loss(initial)
