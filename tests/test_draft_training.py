@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specdec.draft_training.card import write_model_card
 from specdec.draft_training.datagen import generate_shards
 from specdec.draft_training.train import _loss, load_records, make_draft, train
 from tests.tiny_models import save_tiny_pair
@@ -54,6 +55,8 @@ def test_training_continues_the_given_draft(target_and_data: tuple[Path, Path],
             parameter.add_(0.01 * torch.randn_like(parameter))
     draft.save_pretrained(initial)
     (initial / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    (initial / "README.md").write_text("# old\n## Training data\n- the first recipe\n\n"
+                                       "## Evaluation\n- old figures\n")
 
     # lr 0: the output is the given draft itself, not a fresh one made from the target
     unchanged = tmp_path / "unchanged"
@@ -68,6 +71,19 @@ def test_training_continues_the_given_draft(target_and_data: tuple[Path, Path],
     summary = train(str(target), data, tmp_path / "work1", trained, epochs=20, batch_size=2,
                     lr=1e-2, init_draft=initial)
     assert summary["init_draft"] == str(initial)
+    assert summary["init_card"] == ["- the first recipe"]
+    assert summary["temperatures"] == {"0": 1, "0.7": 1}
+    assert summary["dtypes"] == {"bfloat16": 2}
+    report = {"num_prompts": 1, "max_new_tokens": 4, "threads": 2, "acceptance": [],
+              "t_draft_1_ms": 1.0, "c": 0.1, "t_target_ms": {"1": 10.0},
+              "bound_by_gamma_greedy": {"1": 1.2}, "best_gamma": 1, "best_bound": 1.2}
+    (tmp_path / "work1" / "eval_report.json").write_text(json.dumps(report))
+    write_model_card(trained, tmp_path / "work1")
+    card = (trained / "README.md").read_text()
+    assert "Stage 1, the draft this one continues" in card and "- the first recipe" in card
+    assert "1/2 shards greedy, 1/2 shards sampled at T=0.7" in card
+    assert "--init-draft STAGE1_DRAFT --data-dtype bfloat16 --data-temperatures 0,0.7" in card
+    assert "old figures" not in card
 
     def mean_loss(draft_dir: Path) -> float:
         from transformers import LlamaForCausalLM

@@ -92,6 +92,7 @@ def generate_shards(target_dir: str, out_dir: Path, batch_size: int = 48,
                 })
                 total_tokens += length
             tmp = path.with_suffix(".tmp")
-            torch.save({"greedy": greedy, "temperature": temperature, "records": records}, tmp)
+            torch.save({"greedy": greedy, "temperature": temperature,
+                        "dtype": str(dtype).removeprefix("torch."), "records": records}, tmp)
             tmp.rename(path)
             bar.update(task, advance=1, tokens=total_tokens)

@@ -29,6 +29,20 @@ def shard_paths(data_dir: Path) -> list[Path]:
     return sorted(data_dir.glob("*-[0-9][0-9][0-9][0-9][0-9].pt"))
 
 
+def describe_shards(data_dir: Path) -> dict[str, dict[str, int]]:
+    """How the shards were decoded: shard counts per temperature and per target dtype.
+    Shards written before these were recorded are the pipeline's first recipe: float32,
+    alternating greedy and T=1 by shard index."""
+    temperatures: Counter[str] = Counter()
+    dtypes: Counter[str] = Counter()
+    for path in shard_paths(data_dir):
+        shard = torch.load(path)
+        temperature = shard.get("temperature", 0.0 if shard["greedy"] else 1.0)
+        temperatures[f"{temperature:g}"] += 1
+        dtypes[shard.get("dtype", "float32")] += 1
+    return {"temperatures": dict(sorted(temperatures.items())), "dtypes": dict(dtypes)}
+
+
 def load_records(data_dir: Path) -> list[Record]:
     records: list[Record] = []
     for path in shard_paths(data_dir):
@@ -118,6 +132,21 @@ def load_draft(draft_dir: Path) -> tuple[LlamaForCausalLM, list[int]]:
     return draft, token_map
 
 
+def _card_training_section(draft_dir: Path | None) -> list[str]:
+    """The "Training data" lines of the continued draft's model card, so the new card can
+    say how the starting point was made."""
+    card = draft_dir / "README.md" if draft_dir is not None else None
+    if card is None or not card.exists():
+        return []
+    lines = card.read_text().splitlines()
+    try:
+        start = lines.index("## Training data") + 1
+    except ValueError:
+        return []
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return [line for line in lines[start:end] if line.strip()]
+
+
 def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
           vocab_size: int = 8192, num_layers: int = 2, epochs: float = 2.0,
           batch_size: int = 16, lr: float = 5e-4, checkpoint_every_s: float = 300.0,
@@ -160,9 +189,10 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     tokens = sum(len(r["new_ids"]) for r in records)
     shards = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir))
     summary = {"sequences": len(records), "tokens": tokens, "steps": total_steps,
-               "shards": dict(sorted(shards.items())),
-               "final_loss": final["loss"], "lr": lr,
+               "shards": dict(sorted(shards.items())), **describe_shards(data_dir),
+               "final_loss": final["loss"], "lr": lr, "epochs": epochs,
                "init_draft": str(init_draft) if init_draft is not None else None,
+               "init_card": _card_training_section(init_draft),
                "train_s": time.monotonic() - started, "resumed_from_step": resumed_from_step,
                "parameters": sum(p.numel() for p in draft.parameters())}
     (work_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
