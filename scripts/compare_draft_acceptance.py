@@ -37,7 +37,8 @@ def teacher_forced_probs(loaded: models.LoadedModel, ids: list[int],
     vocab = VocabAdapter(int(loaded.model.config.vocab_size), target_vocab_size,
                          loaded.token_map)
     inputs = vocab.to_model_inputs(torch.tensor([ids]))
-    logits = vocab.restrict(loaded.model(input_ids=inputs).logits[0]).float()
+    with torch.inference_mode():
+        logits = vocab.restrict(loaded.model(input_ids=inputs).logits[0]).float()
     return vocab.to_target_probs(torch.softmax(logits, dim=-1))
 
 

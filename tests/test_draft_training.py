@@ -82,7 +82,8 @@ def test_training_continues_the_given_draft(target_and_data: tuple[Path, Path],
     card = (trained / "README.md").read_text()
     assert "Stage 1, the draft this one continues" in card and "- the first recipe" in card
     assert "1/2 shards greedy, 1/2 shards sampled at T=0.7" in card
-    assert "--init-draft STAGE1_DRAFT --data-dtype bfloat16 --data-temperatures 0,0.7" in card
+    assert ("--init-draft STAGE1_DRAFT --data-dtype bfloat16 --data-temperatures 0,0.7 "
+            "--batch-size 3 --max-shards 2 --wide-shards 0 --epochs 20 --lr 0.01") in card
     assert "old figures" not in card
 
     def mean_loss(draft_dir: Path) -> float:

@@ -56,11 +56,15 @@ def _reproduce_lines(summary: dict) -> list[str]:
         return ["specdec train-draft            # data, train, eval, card; resumable"]
     temperatures = ",".join(summary.get("temperatures", {"0": 1}))
     dtype = next(iter(summary.get("dtypes", {"float32": 1})))
+    shards = summary.get("shards", {})
+    batch_size = summary["sequences"] // max(1, sum(shards.values()))  # every shard is full
     return [
         "# stage 1: the starting draft's own recipe (its card), into another work dir",
-        "# stage 2: sampled shards differ with --data-seed and --batch-size, not in kind",
+        "# stage 2 (the sampled text differs with --data-seed, not in kind):",
         "specdec train-draft --work-dir WORK2 --init-draft STAGE1_DRAFT "
         f"--data-dtype {dtype} --data-temperatures {temperatures} "
+        f"--batch-size {batch_size} --max-shards {shards.get('shard', 0)} "
+        f"--wide-shards {shards.get('wide', 0)} "
         f"--epochs {summary.get('epochs', 3):g} --lr {summary.get('lr', 5e-4):g}",
     ]
 
