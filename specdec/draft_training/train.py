@@ -29,27 +29,28 @@ def shard_paths(data_dir: Path) -> list[Path]:
     return sorted(data_dir.glob("*-[0-9][0-9][0-9][0-9][0-9].pt"))
 
 
-def describe_shards(data_dir: Path) -> dict[str, dict[str, int]]:
+def load_shards(data_dir: Path) -> list[dict[str, Any]]:
+    shards = [torch.load(path) for path in shard_paths(data_dir)]
+    if not any(shard["records"] for shard in shards):
+        raise FileNotFoundError(f"no distillation shards in {data_dir}; run datagen first")
+    return shards
+
+
+def load_records(data_dir: Path) -> list[Record]:
+    return [record for shard in load_shards(data_dir) for record in shard["records"]]
+
+
+def describe_shards(shards: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """How the shards were decoded: shard counts per temperature and per target dtype.
     Shards written before these were recorded are the pipeline's first recipe: float32,
     alternating greedy and T=1 by shard index."""
     temperatures: Counter[str] = Counter()
     dtypes: Counter[str] = Counter()
-    for path in shard_paths(data_dir):
-        shard = torch.load(path)
+    for shard in shards:
         temperature = shard.get("temperature", 0.0 if shard["greedy"] else 1.0)
         temperatures[f"{temperature:g}"] += 1
         dtypes[shard.get("dtype", "float32")] += 1
     return {"temperatures": dict(sorted(temperatures.items())), "dtypes": dict(dtypes)}
-
-
-def load_records(data_dir: Path) -> list[Record]:
-    records: list[Record] = []
-    for path in shard_paths(data_dir):
-        records.extend(torch.load(path)["records"])
-    if not records:
-        raise FileNotFoundError(f"no distillation shards in {data_dir}; run datagen first")
-    return records
 
 
 def build_token_map(records: list[Record], size: int, always: list[int]) -> list[int]:
@@ -154,7 +155,8 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     """Distil a draft from the shards in data_dir: a new one initialised from the target,
     or, with init_draft, that trained draft (same token map and layers) continued."""
     started = time.monotonic()
-    records = load_records(data_dir)
+    shards = load_shards(data_dir)  # one read: records and how they were decoded
+    records = [record for shard in shards for record in shard["records"]]
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "checkpoint.pt"
     map_path = work_dir / "token_map.json"
@@ -187,9 +189,9 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     draft.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
     tokens = sum(len(r["new_ids"]) for r in records)
-    shards = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir))
+    per_set = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir))
     summary = {"sequences": len(records), "tokens": tokens, "steps": total_steps,
-               "shards": dict(sorted(shards.items())), **describe_shards(data_dir),
+               "shards": dict(sorted(per_set.items())), **describe_shards(shards),
                "final_loss": final["loss"], "lr": lr, "epochs": epochs,
                "init_draft": str(init_draft) if init_draft is not None else None,
                "init_card": _card_training_section(init_draft),
