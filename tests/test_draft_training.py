@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from specdec.draft_training.card import write_model_card
 from specdec.draft_training.datagen import generate_shards
-from specdec.draft_training.train import _loss, load_records, make_draft, train
+from specdec.draft_training.train import _loss, load_shards, make_draft, records_of, train
 from tests.tiny_models import save_tiny_pair
 
 
@@ -46,7 +46,7 @@ def test_shards_take_their_temperature_in_turn_and_sampling_is_seeded(
 def test_training_continues_the_given_draft(target_and_data: tuple[Path, Path],
                                             tmp_path: Path) -> None:
     target, data = target_and_data
-    records = load_records(data)
+    records = records_of(load_shards(data))
     token_map = sorted({int(t) for r in records for t in r["topk_ids"].flatten()} | {1, 2})
     initial = tmp_path / "initial"
     draft = make_draft(str(target), token_map, num_layers=2)

@@ -36,8 +36,8 @@ def load_shards(data_dir: Path) -> list[dict[str, Any]]:
     return shards
 
 
-def load_records(data_dir: Path) -> list[Record]:
-    return [record for shard in load_shards(data_dir) for record in shard["records"]]
+def records_of(shards: list[dict[str, Any]]) -> list[Record]:
+    return [record for shard in shards for record in shard["records"]]
 
 
 def describe_shards(shards: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -156,20 +156,17 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     or, with init_draft, that trained draft (same token map and layers) continued."""
     started = time.monotonic()
     shards = load_shards(data_dir)  # one read: records and how they were decoded
-    records = [record for shard in shards for record in shard["records"]]
+    records = records_of(shards)
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "checkpoint.pt"
     map_path = work_dir / "token_map.json"
     if init_draft is not None:
         draft, token_map = load_draft(init_draft)
-        map_path.write_text(json.dumps({"target_ids": token_map}))
     else:
-        if map_path.exists():
-            token_map = json.loads(map_path.read_text())["target_ids"]
-        else:
-            token_map = build_token_map(records, vocab_size, list(eos_ids))
-            map_path.write_text(json.dumps({"target_ids": token_map}))
+        token_map = (json.loads(map_path.read_text())["target_ids"] if map_path.exists()
+                     else build_token_map(records, vocab_size, list(eos_ids)))
         draft = make_draft(target_dir, token_map, num_layers)
+    map_path.write_text(json.dumps({"target_ids": token_map}))
     unk_row = len(token_map)
     input_map = torch.full((49152 if max(token_map) < 49152 else max(token_map) + 1,), unk_row)
     input_map[torch.tensor(token_map)] = torch.arange(unk_row)
