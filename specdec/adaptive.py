@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from specdec.acceptance import ChainAcceptance
 from specdec.interfaces import Proposal, Verification
 from specdec.policy import FixedLength, LengthPolicy
 
@@ -169,10 +170,12 @@ class AdaptiveLength:
         self._clock = clock
         self.successes = 0.0  # discounted accepted proposals
         self.failures = 0.0  # discounted rejections (rounds that stopped early)
-        self.trials = [0.0] * (max_length + 1)  # per position i >= 1
-        self.accepts = [0.0] * (max_length + 1)
+        self.chain = ChainAcceptance(max_length, decay)
         self.rounds = 0
+        # The length chosen for each round the policy ran (observe), in order; a round
+        # that verified a prompt-lookup hit instead never reaches the policy.
         self.chosen: list[int] = []
+        self._choice: int | None = None
         self._round_started: float | None = None
         self._last: tuple[int, float | None, float] | None = None
 
@@ -188,14 +191,7 @@ class AdaptiveLength:
         return min(1.0, mean + math.sqrt(mean * (1 - mean) / (n + 1)))
 
     def expected_tokens(self, k: int) -> float:
-        overall = self.alpha()
-        total, survive = 1.0, 1.0
-        for position in range(1, k + 1):
-            rate = (self.accepts[position] + self.shrink * overall) / (
-                self.trials[position] + self.shrink)
-            survive *= rate
-            total += survive
-        return total
+        return self.chain.expected_tokens(k, self.alpha(), self.shrink)
 
     def rates(self) -> dict[int, float]:
         """Expected tokens per second for each k that can be costed now."""
@@ -223,9 +219,8 @@ class AdaptiveLength:
             self.costs.observe(k, draft_s, verify_s, now - self._round_started)
         self._last = None
         self._round_started = now
-        choice = self._choose()
-        self.chosen.append(choice)
-        return choice
+        self._choice = self._choose()
+        return self._choice
 
     def _choose(self) -> int:
         first = 0 if self.allow_zero else 1
@@ -268,18 +263,14 @@ class AdaptiveLength:
         # early counts as the chain stopping there, so E(k) and the cost of asking k both
         # include what the gate does.
         self.rounds += 1
+        if self._choice is not None:
+            self.chosen.append(self._choice)
+            self._choice = None
         if asked > 0:  # evidence ages per drafting round: k = 0 rounds teach nothing
-            self.successes *= self.decay
-            self.failures *= self.decay
-            for position in range(1, self.max_length + 1):
-                self.trials[position] *= self.decay
-                self.accepts[position] *= self.decay
-            self.successes += accepted_len
-            self.failures += 1.0 if accepted_len < asked else 0.0
+            self.successes = self.successes * self.decay + accepted_len
+            self.failures = self.failures * self.decay + (1.0 if accepted_len < asked else 0.0)
+            self.chain.record(asked, accepted_len)
             self.costs.record_acceptance(self.prior_key, accepted_len, accepted_len < asked)
-            for position in range(1, min(asked, accepted_len + 1, self.max_length) + 1):
-                self.trials[position] += 1.0
-                self.accepts[position] += 1.0 if position <= accepted_len else 0.0
         resynced = verification.resyncs or (proposal is not None and proposal.resyncs)
         # Round 1 carries the prompt's prefill; a resync re-sends the history: not typical.
         if self.rounds > 1 and not resynced:

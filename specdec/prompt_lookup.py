@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.acceptance import ChainAcceptance
 from specdec.history import TokenHistory
 from specdec.interfaces import Proposal
 from specdec.sampling import SamplingParams
@@ -105,36 +106,24 @@ class LookupEvidence:
                  decay: float = 0.95) -> None:
         self.prior = prior
         self.prior_strength = prior_strength
-        self.decay = decay
-        self.trials = [0.0] * (max_tokens + 1)  # per position i >= 1
-        self.accepts = [0.0] * (max_tokens + 1)
+        self.chain = ChainAcceptance(max_tokens, decay)
 
     def observe(self, proposed: Sequence[int], emitted: Sequence[int]) -> None:
         """proposed: the lookup's tokens this round; emitted: the tokens committed."""
-        self.trials = [count * self.decay for count in self.trials]
-        self.accepts = [count * self.decay for count in self.accepts]
-        # Fewer emitted than proposed tokens (a rejection, an end) censor the rest.
-        pairs = zip(proposed, emitted, strict=False)
-        for position, (token, target_token) in enumerate(pairs, start=1):
-            if position >= len(self.trials):
-                break
-            self.trials[position] += 1.0
+        matched = 0
+        for token, target_token in zip(proposed, emitted, strict=False):
             if token != target_token:
                 break
-            self.accepts[position] += 1.0
+            matched += 1
+        # Fewer emitted than proposed tokens (a rejection, an end) censor the rest.
+        self.chain.record(min(len(proposed), len(emitted)), matched)
 
     def acceptance(self, position: int) -> float:
-        accepts = self.accepts[position] if position < len(self.accepts) else 0.0
-        trials = self.trials[position] if position < len(self.trials) else 0.0
-        return (accepts + self.prior * self.prior_strength) / (trials + self.prior_strength)
+        return self.chain.rate(position, self.prior, self.prior_strength)
 
     def expected_tokens(self, length: int) -> float:
         """Tokens a round verifying the first `length` lookup tokens emits on average."""
-        total, survive = 1.0, 1.0
-        for position in range(1, length + 1):
-            survive *= self.acceptance(position)
-            total += survive
-        return total
+        return self.chain.expected_tokens(length, self.prior, self.prior_strength)
 
     def tokens_to_use(self, available: int, round_seconds: Callable[[int], float | None],
                       rival_rate: float | None) -> int:

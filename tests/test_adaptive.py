@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
+from specdec.acceptance import ChainAcceptance
 from specdec.adaptive import (
     AdaptiveLength,
     CostModel,
@@ -22,6 +23,20 @@ from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, generate
 from specdec.policy import FixedLength
 from specdec.runner import ModelRunner
+
+
+def test_chain_acceptance_counts_positions_up_to_the_first_rejection() -> None:
+    chain = ChainAcceptance(max_length=3, decay=1.0)
+    chain.record(offered=5, accepted_len=5)  # longer than tracked: counts stop at 3
+    chain.record(offered=3, accepted_len=1)  # position 2 rejected, position 3 never judged
+    assert chain.trials[1:] == [2.0, 2.0, 1.0] and chain.accepts[1:] == [2.0, 1.0, 1.0]
+    assert chain.rate(4, 0.3, 2.0) == 0.3  # untracked: the prior alone
+    rate_1, rate_2 = (2 + 0.5) / (2 + 1), (1 + 0.5) / (2 + 1)
+    assert chain.expected_tokens(2, 0.5, 1.0) == pytest.approx(1 + rate_1 + rate_1 * rate_2)
+    halved = ChainAcceptance(max_length=1, decay=0.5)
+    halved.record(1, 1)
+    halved.record(1, 0)
+    assert halved.trials[1] == 1.5 and halved.accepts[1] == 0.5
 
 
 class FakeClock:

@@ -99,6 +99,11 @@ def test_lookup_rounds_do_not_feed_the_adaptive_policy() -> None:
     drafted = [e for e in events if e.proposal is None or e.proposal.source != PROMPT_LOOKUP]
     assert len(drafted) < len(events)
     assert policy.rounds == len(drafted)
+    # The choices the bench reports are those of the rounds the policy ran, in order (the
+    # loop caps a choice at the tokens still to generate, less the round's own one).
+    prompt_len = len(PROMPT * 2)
+    assert [min(choice, 40 - (e.position_before - prompt_len) - 1)
+            for choice, e in zip(policy.chosen, drafted, strict=True)] == [e.asked for e in drafted]
     assert tokens == hf_greedy(target, PROMPT * 2, 40)
 
 
@@ -118,13 +123,14 @@ def test_evidence_counts_the_lookup_tokens_the_target_emitted() -> None:
     assert evidence.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)  # the prior alone
     evidence.observe([3, 9, 1], [3, 9, 4])  # two kept, the third was not the target's
     evidence.observe([5, 6], [7])  # rejected at once; position 2 was never tried
-    assert evidence.trials[1:4] == [2.0, 1.0, 1.0] and evidence.accepts[1:4] == [1.0, 1.0, 0.0]
+    assert evidence.chain.trials[1:4] == [2.0, 1.0, 1.0]
+    assert evidence.chain.accepts[1:4] == [1.0, 1.0, 0.0]
     assert evidence.acceptance(1) == pytest.approx((1 + 1) / (2 + 2))
     assert evidence.acceptance(3) == pytest.approx((0 + 1) / (1 + 2))
     decayed = LookupEvidence(max_tokens=2, decay=0.5)
     decayed.observe([1], [1])
     decayed.observe([1], [2])
-    assert decayed.trials[1] == 1.5 and decayed.accepts[1] == 0.5
+    assert decayed.chain.trials[1] == 1.5 and decayed.chain.accepts[1] == 0.5
 
 
 def test_evidence_chooses_the_fastest_length_or_the_draft() -> None:

@@ -12,8 +12,8 @@ range are over repeats, the quartiles over prompts. For speculative runs:
 - ratio = achieved speedup over target-only / bound;
 - lookup share = the part of the drafted tokens that prompt lookup proposed, and its own
   acceptance rate;
-- chosen lengths (adaptive, in process) = the policy's choice in every round, including
-  the rounds where a prompt-lookup hit was verified instead of the draft's tokens.
+- chosen lengths (adaptive, in process) = the policy's choice in every round it ran; the
+  rounds that verified a prompt-lookup hit instead are in the lookup share.
 For specdec over gRPC also, against target-only through the same services (k=0):
 - same-shape speedup = tokens/s / that of the gRPC k=0 run;
 - same-shape bound = tokens per round * T_target(1) / (draft forward + target forward per

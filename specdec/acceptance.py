@@ -1,0 +1,52 @@
+"""Per-position acceptance of a proposer's chain, discounted so that it follows the text.
+
+Position i of a round is a trial when the proposer offered an i-th token and tokens
+1..i-1 were accepted, and an accept when token i was accepted too. A round verifying the
+first `length` proposed tokens then emits E = 1 + sum_j prod_{i <= j} a_i tokens on
+average, with a_i the position's rate shrunk towards a prior mean. Counts are discounted
+per recorded round, so code, lists and prose each pull the estimate their way in turn.
+
+The draft model's adaptive length (specdec.adaptive) and the prompt-lookup gate
+(specdec.prompt_lookup) each keep one per session.
+"""
+
+from __future__ import annotations
+
+
+class ChainAcceptance:
+    """Discounted trials and accepts per position 1..max_length of a proposed chain."""
+
+    def __init__(self, max_length: int, decay: float) -> None:
+        self.decay = decay
+        self.trials = [0.0] * (max_length + 1)  # indexed by position; [0] is unused
+        self.accepts = [0.0] * (max_length + 1)
+
+    @property
+    def max_length(self) -> int:
+        return len(self.trials) - 1
+
+    def record(self, offered: int, accepted_len: int) -> None:
+        """One round: `offered` tokens proposed, the first `accepted_len` accepted. A
+        round that emitted fewer tokens than were offered (an end) passes offered = the
+        tokens it could judge; positions past the first rejection are not trials."""
+        self.trials = [count * self.decay for count in self.trials]
+        self.accepts = [count * self.decay for count in self.accepts]
+        for position in range(1, min(offered, accepted_len + 1, self.max_length) + 1):
+            self.trials[position] += 1.0
+            if position <= accepted_len:
+                self.accepts[position] += 1.0
+
+    def rate(self, position: int, prior_mean: float, prior_strength: float) -> float:
+        """Acceptance at `position`; the prior alone past max_length."""
+        if not 1 <= position <= self.max_length:
+            return prior_mean
+        return (self.accepts[position] + prior_mean * prior_strength) / (
+            self.trials[position] + prior_strength)
+
+    def expected_tokens(self, length: int, prior_mean: float, prior_strength: float) -> float:
+        """Tokens a round verifying the first `length` proposed tokens emits on average."""
+        total, survive = 1.0, 1.0
+        for position in range(1, length + 1):
+            survive *= self.rate(position, prior_mean, prior_strength)
+            total += survive
+        return total
