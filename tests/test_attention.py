@@ -11,6 +11,7 @@ from tiny_models import assert_speculative_greedy_equals_hf, tiny_gpt2, tiny_lla
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specdec import attention
 from specdec.attention import (
     MAX_QUERY_ROWS,
     NAME,
@@ -79,6 +80,41 @@ def test_rowwise_attention_equals_transformers_sdpa(q_length: int, mask_kind: st
     out, _ = rowwise_sdpa_forward(module, query, key, value, mask, scaling=0.25)
     assert out.shape == (1, q_length, HEADS, DIM)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _rowwise_mismatches(contexts: range, rows: int) -> int:
+    """Rows of one bfloat16 rowwise call (chain rows, then two token-tree rows) whose
+    output differs from the one-row call of the same row over exactly its keys."""
+    module = types.SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True)
+    mismatches = 0
+    for context in contexts:
+        torch.manual_seed(context)
+        kv_length = context + rows
+        query = torch.randn(1, HEADS, rows, 64).bfloat16()
+        key, value = torch.randn(2, 1, KV_HEADS, kv_length, 64).bfloat16().unbind(0)
+        mask = _causal_tail_mask(rows, kv_length).clone()
+        for row in (rows - 2, rows - 1):  # siblings: the chain's first token, then itself
+            mask[0, 0, row] = False
+            mask[0, 0, row, :context + 1] = True
+            mask[0, 0, row, context + row] = True
+        out, _ = rowwise_sdpa_forward(module, query, key, value, mask, scaling=0.125)
+        for row in range(rows):
+            keys = mask[0, 0, row].nonzero().flatten()
+            alone, _ = rowwise_sdpa_forward(module, query[:, :, row:row + 1], key[:, :, keys],
+                                            value[:, :, keys], None, scaling=0.125)
+            mismatches += int(not torch.equal(alone[:, 0], out[:, row]))
+    return mismatches
+
+
+def test_rowwise_rows_equal_their_one_row_calls_bit_for_bit(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Chain rows share calls only within a KEY_BLOCK block of key counts; across the
+    16-key blocks of SDPA's vectorised sum (AVX-512) the bits differ, which the control
+    (every chain row in one call) shows, so the comparison can fail."""
+    contexts = range(1, 70)
+    assert _rowwise_mismatches(contexts, rows=9) == 0
+    monkeypatch.setattr(attention, "KEY_BLOCK", 4096)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert _rowwise_mismatches(contexts, rows=9) > 0
 
 
 def test_auto_resolves_by_device() -> None:
