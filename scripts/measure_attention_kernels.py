@@ -40,7 +40,6 @@ def switch(model: torch.nn.Module, kernel: str, default_block: int) -> None:
     name, _, block = kernel.partition("@")
     attention.apply_attention_kernel(model, name)
     attention.KEY_BLOCK = int(block) if block else default_block
-    attention._last_plan = ((), None)  # a plan made under the other block size
 
 
 def main() -> None:

@@ -90,14 +90,13 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     batch, heads, q_length, head_dim = query.shape
     kv_heads, kv_length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
     plan = None
     if batch == 1 and q_length <= MAX_QUERY_ROWS and kwargs.get("position_bias") is None:
-        plan = _row_plan(attention_mask, q_length, kv_length, heads // kv_heads,
-                         query.device)
+        plan = _row_plan(attention_mask, q_length, kv_length, groups, query.device)
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    groups = heads // kv_heads
     out = query.new_empty(batch, q_length, heads, value.shape[-1])
     for call in plan:
         rows = len(call.prefixes)
@@ -163,7 +162,7 @@ def _row_calls(visible: list[tuple[int, int | None]], groups: int,
 
 
 # Every layer of a forward gets the same mask object; its plan is worked out once per forward.
-_last_plan: tuple[tuple[Any, ...], list[_RowCall] | None] = ((), None)
+_last_plan: tuple[torch.Tensor | None, tuple[Any, ...], list[_RowCall] | None] = (None, (), None)
 
 
 def _row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: int,
@@ -171,9 +170,9 @@ def _row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: 
     """The rowwise kernel's calls for this forward; None when some row sees keys in a
     pattern it does not handle (the caller falls back to transformers' SDPA)."""
     global _last_plan
-    key = (mask, q_length, kv_length, groups, device)
-    cached_key, cached = _last_plan  # one read: runners in other threads replace it
-    if len(cached_key) == len(key) and cached_key[0] is mask and cached_key[1:] == key[1:]:
+    shape = (q_length, kv_length, groups, device, KEY_BLOCK)
+    cached_mask, cached_shape, cached = _last_plan  # one read: other threads replace it
+    if cached_mask is mask and cached_shape == shape:
         return cached
     if mask is None:  # causal, with the queries at the end of the keys
         visible: list[tuple[int, int | None]] | None = [
@@ -181,7 +180,7 @@ def _row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: 
     else:
         visible = _mask_patterns(mask, q_length, kv_length)
     plan = None if visible is None else _row_calls(visible, groups, device)
-    _last_plan = (key, plan)
+    _last_plan = (mask, shape, plan)
     return plan
 
 
