@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.draft_training.card import write_model_card
+from specdec.draft_training.card import _reproduce_lines, write_model_card
 from specdec.draft_training.datagen import generate_shards
 from specdec.draft_training.train import _loss, load_shards, make_draft, records_of, train
 from tests.tiny_models import save_tiny_pair
@@ -97,3 +97,14 @@ def test_training_continues_the_given_draft(target_and_data: tuple[Path, Path],
             return float(_loss(draft, records, input_map, unk_row))
 
     assert mean_loss(trained) < 0.9 * mean_loss(initial)
+
+
+def test_stage_two_command_says_when_shards_came_in_several_dtypes() -> None:
+    summary = {"init_draft": "D", "temperatures": {"0.7": 3}, "shards": {"shard": 1, "wide": 2},
+               "sequences": 6, "epochs": 2, "lr": 2e-4}
+    single = _reproduce_lines({**summary, "dtypes": {"bfloat16": 3}})
+    assert not any("more than one dtype" in line for line in single)
+    mixed = _reproduce_lines({**summary, "dtypes": {"bfloat16": 2, "float32": 1}})
+    assert ("# its shards were generated in more than one dtype (2 in bfloat16, 1 in float32); "
+            "this command generates all of them in bfloat16") in mixed
+    assert mixed[-1] == single[-1]

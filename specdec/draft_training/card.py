@@ -55,12 +55,19 @@ def _reproduce_lines(summary: dict) -> list[str]:
     if not summary.get("init_draft"):
         return ["specdec train-draft            # data, train, eval, card; resumable"]
     temperatures = ",".join(summary.get("temperatures", {"0": 1}))
-    dtype = next(iter(summary.get("dtypes", {"float32": 1})))
+    dtypes = summary.get("dtypes", {"float32": 1})
+    dtype = next(iter(dtypes))
     shards = summary.get("shards", {})
     batch_size = summary["sequences"] // max(1, sum(shards.values()))  # every shard is full
+    mixed = []
+    if len(dtypes) > 1:  # --data-dtype takes one dtype for every shard
+        counts = ", ".join(f"{count} in {name}" for name, count in dtypes.items())
+        mixed = [f"# its shards were generated in more than one dtype ({counts}); "
+                 f"this command generates all of them in {dtype}"]
     return [
         "# stage 1: the starting draft's own recipe (its card), into another work dir",
         "# stage 2 (the sampled text differs with --data-seed, not in kind):",
+        *mixed,
         "specdec train-draft --work-dir WORK2 --init-draft STAGE1_DRAFT "
         f"--data-dtype {dtype} --data-temperatures {temperatures} "
         f"--batch-size {batch_size} --max-shards {shards.get('shard', 0)} "
