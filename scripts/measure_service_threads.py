@@ -1,7 +1,7 @@
 """Thread settings of the three co-located services, A/B in one run: tokens/s over gRPC.
 
 Starts the stack (`specdec.stack.start_stack`, as `specdec up` does) once per variant and
-sends the same greedy requests through the coordinator: target-only (k = 0) and adaptive
+sends the same requests (greedy unless --mode) through the coordinator: k = 0 and adaptive
 speculation, 2 repeats of 8 bench prompts, the second repeat timed. A variant is
 `THREADS[/DRAFT_THREADS][:KEY=VALUE,...][@WORKERS]`: torch threads of the target (and of
 the draft, default the same), environment for the services (OpenMP settings; a key
@@ -12,8 +12,10 @@ threads of both model services (default: as served). docs/benchmarks.md section 
 
 Medians of tokens/s per request, and for adaptive the mean per-round split of the
 loop's time: draft and target model time, the wait on each beyond it (transport,
-request handling, waking up), and the rest. Variants run in the order given; interleave
-repeats of them (`2 1 2 1`) on a noisy machine.
+request handling, waking up), and the rest. Then the target's forward per round at k = 0
+and adaptive and their gap, both from one stack, so drift between stacks cancels (section
+4l: `--mode t1 --prompts-per-category 1 2 1/2 2 1/2`). Variants run in the order given;
+interleave repeats of them (`2 1 2 1`) on a noisy machine.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> int:
     parser.add_argument("variants", nargs="+", help="THREADS[/DRAFT][:K=V,...][@WORKERS]")
     parser.add_argument("--prompts-per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--mode", default="greedy", choices=sorted(MODES))
     args = parser.parse_args()
     draft, _ = default_draft_or_truncated()
     encode = chat_encoder(load_tokenizer(DEFAULT_TARGET))
@@ -92,20 +95,19 @@ def main() -> int:
             channel = grpc.insecure_channel(stack.endpoint("coordinator"))
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             rates = {}
-            stats: list[coordinator_pb2.GenerationStats] = []
-            for length in ("0", "adaptive"):
+            stats: dict[str, list[coordinator_pb2.GenerationStats]] = {"0": [], "adaptive": []}
+            for length in stats:
                 timed = []
                 for repeat in range(2):  # the first warms the services' caches and costs
                     for ids in prompts:
-                        request = grpc_request(BenchConfig(GRPC, length), MODES["greedy"], ids,
+                        request = grpc_request(BenchConfig(GRPC, length), MODES[args.mode], ids,
                                                args.max_new_tokens, seed=0)
                         started = time.perf_counter()
                         response = stub.Generate(request, timeout=600)
                         if repeat:
                             timed.append(len(response.token_ids)
                                          / (time.perf_counter() - started))
-                            if length == "adaptive":
-                                stats.append(response.stats)
+                            stats[length].append(response.stats)
                 rates[length] = statistics.median(timed)
             channel.close()
         finally:
@@ -113,7 +115,12 @@ def main() -> int:
         print(f"{variant:<32} target-only {rates['0']:6.2f} tok/s  adaptive "
               f"{rates['adaptive']:6.2f} tok/s  ratio {rates['adaptive'] / rates['0']:.2f}",
               flush=True)
-        print(f"{'':<32} adaptive per round, ms: {round_split(stats)}", flush=True)
+        print(f"{'':<32} adaptive per round, ms: {round_split(stats['adaptive'])}", flush=True)
+        forward = {length: 1000 * sum(s.verify_forward_seconds for s in runs)
+                   / max(1, sum(s.rounds for s in runs)) for length, runs in stats.items()}
+        print(f"{'':<32} target forward per round: k=0 {forward['0']:.1f} ms, adaptive "
+              f"{forward['adaptive']:.1f} ms, gap {forward['adaptive'] - forward['0']:+.1f} ms",
+              flush=True)
     return 0
 
 
