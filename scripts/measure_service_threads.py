@@ -59,16 +59,16 @@ def parse_variant(text: str) -> tuple[int, int, dict[str, dict[str, str]], int |
             int(workers) if workers else None)
 
 
-def round_split(stats: list[coordinator_pb2.GenerationStats]) -> str:
+def per_round_ms(stats: list[coordinator_pb2.GenerationStats]) -> dict[str, float]:
     """Mean ms per round: draft model / wait beyond it, target model / wait, the rest."""
-    rounds = sum(s.rounds for s in stats)
+    rounds = max(1, sum(s.rounds for s in stats))
     parts = {
         "draft": sum(s.draft_forward_seconds for s in stats),
         "draft wait": sum(s.draft_seconds - s.draft_forward_seconds for s in stats),
         "target": sum(s.verify_forward_seconds for s in stats),
         "target wait": sum(s.verify_seconds - s.verify_forward_seconds for s in stats),
         "other": sum(s.total_seconds - s.draft_seconds - s.verify_seconds for s in stats)}
-    return ", ".join(f"{name} {1000 * value / rounds:.1f}" for name, value in parts.items())
+    return {name: 1000 * value / rounds for name, value in parts.items()}
 
 
 def main() -> int:
@@ -115,9 +115,10 @@ def main() -> int:
         print(f"{variant:<32} target-only {rates['0']:6.2f} tok/s  adaptive "
               f"{rates['adaptive']:6.2f} tok/s  ratio {rates['adaptive'] / rates['0']:.2f}",
               flush=True)
-        print(f"{'':<32} adaptive per round, ms: {round_split(stats['adaptive'])}", flush=True)
-        forward = {length: 1000 * sum(s.verify_forward_seconds for s in runs)
-                   / max(1, sum(s.rounds for s in runs)) for length, runs in stats.items()}
+        split = {length: per_round_ms(runs) for length, runs in stats.items()}
+        print(f"{'':<32} adaptive per round, ms: " + ", ".join(
+            f"{name} {ms:.1f}" for name, ms in split["adaptive"].items()), flush=True)
+        forward = {length: parts["target"] for length, parts in split.items()}
         print(f"{'':<32} target forward per round: k=0 {forward['0']:.1f} ms, adaptive "
               f"{forward['adaptive']:.1f} ms, gap {forward['adaptive'] - forward['0']:+.1f} ms",
               flush=True)
