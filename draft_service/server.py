@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from draft_service.servicer import DraftServicer
-from specdec.config import apply_torch_settings, draft_precision
+from specdec.config import apply_torch_settings, draft_compile, draft_precision
 from specdec.draft_precision import load_draft
 from specdec.grpc_server import ServerHandle
 from specdec.model_service import model_info, serving_runner, start_model_server
@@ -26,7 +26,7 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
     vocab = model_info(args.target_model).vocab_size
     choice = load_draft(args.draft_model, device, dtype_setting, linear_kernel,
                         shared_dtype=shared_dtype, attention_kernel=args.attention_kernel,
-                        target_vocab_size=vocab)
+                        target_vocab_size=vocab, compile_setting=draft_compile(args))
     log.info("loaded %s: %s; precision %s", args.draft_model, choice.loaded.precision,
              choice.describe())
     runner = serving_runner(choice.loaded, target_vocab_size=vocab,

@@ -73,6 +73,14 @@ def add_draft_precision_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--draft-linear-kernel", "",
                 "matmul kernel of the draft's linear layers (empty = --linear-kernel)",
                 choices=("", *KERNELS))
+    add_setting(parser, "--draft-compile", "auto",
+                "torch.compile the draft's forward: auto (on CPU compile at load, time it "
+                "against eager and keep the faster; see specdec/draft_compile.py), on, off",
+                choices=("auto", "on", "off"))
+
+
+def draft_compile(args: argparse.Namespace | Any) -> str:
+    return getattr(args, "draft_compile", "") or "auto"
 
 
 def draft_precision(args: argparse.Namespace | Any) -> tuple[str, str]:

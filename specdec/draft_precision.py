@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.draft_compile import OFF, CompileOutcome, compile_draft
 from specdec.kernels import resolve_kernel
 from specdec.models import LoadedModel, load_causal_lm, parse_dtype
 from specdec.runner import ModelRunner
@@ -56,13 +57,16 @@ class Choice:
     loaded: LoadedModel
     precision: Precision
     step_s: dict[str, float]  # fastest one-token step per candidate label
+    compiled: CompileOutcome = CompileOutcome(False, "eager")
 
     def describe(self) -> str:
         if not self.step_s:
-            return f"{self.precision.label} (as set)"
-        times = ", ".join(f"{label} {seconds * 1000:.1f} ms"
-                          for label, seconds in self.step_s.items())
-        return f"{self.precision.label}, the fastest one-token step of {times}"
+            chosen = f"{self.precision.label} (as set)"
+        else:
+            times = ", ".join(f"{label} {seconds * 1000:.1f} ms"
+                              for label, seconds in self.step_s.items())
+            chosen = f"{self.precision.label}, the fastest one-token step of {times}"
+        return f"{chosen}; forward {self.compiled.detail}"
 
 
 def choose_fastest(options: list[Precision], load: Callable[[Precision], LoadedModel],
@@ -92,9 +96,11 @@ def choose_fastest(options: list[Precision], load: Callable[[Precision], LoadedM
 
 def load_draft(name: str, device: torch.device, dtype_setting: str, linear_kernel: str, *,
                shared_dtype: torch.dtype, attention_kernel: str,
-               target_vocab_size: int | None, progress: bool = False) -> Choice:
+               target_vocab_size: int | None, progress: bool = False,
+               compile_setting: str = OFF) -> Choice:
     """The draft in dtype_setting: a dtype, or "auto" for the fastest of `candidates`
-    around the shared (target's) dtype, measured here."""
+    around the shared (target's) dtype, measured here; then compiled or not as
+    compile_setting says (specdec.draft_compile)."""
     if dtype_setting == AUTO:
         options = candidates(device, Precision(shared_dtype, linear_kernel))
     else:
@@ -110,4 +116,7 @@ def load_draft(name: str, device: torch.device, dtype_setting: str, linear_kerne
         return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,
                            token_map=loaded.token_map)
 
-    return choose_fastest(options, load, runner_for)
+    choice = choose_fastest(options, load, runner_for)
+    choice.compiled = compile_draft(choice.loaded.model, lambda: runner_for(choice.loaded),
+                                    compile_setting, device)
+    return choice

@@ -16,6 +16,7 @@ from exact_law import chi_square_pvalue, target_law
 from tiny_models import tiny_llama
 
 from specdec.attention import apply_attention_kernel
+from specdec.draft_compile import compile_draft
 from specdec.history import TokenHistory
 from specdec.interfaces import Proposal
 from specdec.kernels import apply_linear_kernel
@@ -100,6 +101,14 @@ def test_speculative_law_matches_a_bfloat16_target_with_a_float32_draft(models) 
     assert apply_linear_kernel(target, "auto") == "onednn"
     assert apply_linear_kernel(draft, "torch") == "torch"
     assert_law_matches(target, draft, SETTINGS["T1"])
+
+
+def test_speculative_law_matches_target_with_a_compiled_draft(models) -> None:
+    """--draft-compile: the draft's forward through torch.compile (inductor)."""
+    target, draft = models[0], copy.deepcopy(models[1])
+    outcome = compile_draft(draft, lambda: ModelRunner(draft), "on", torch.device("cpu"))
+    assert outcome.compiled
+    assert_law_matches(target, draft, SETTINGS["topp0.8"])
 
 
 def test_wrong_q_is_rejected_by_the_same_test(models) -> None:

@@ -63,6 +63,9 @@ class BenchSettings:
     # "auto" measures, "same" = dtype; an empty kernel = linear_kernel.
     draft_dtype: str = "auto"
     draft_linear_kernel: str = ""
+    # torch.compile of the draft's forward (specdec.draft_compile). hf-assisted runs a
+    # copy of its own, eager, for a draft with a reduced vocabulary (the default draft).
+    draft_compile: str = "auto"
     # Threads of each service process (0 = torch default, as `specdec up`); with forwards
     # on one compute thread and a short OpenMP spin, 2 beat 1 here (specdec/stack.py).
     grpc_torch_threads: int = 0
@@ -165,7 +168,8 @@ def load_models(settings: BenchSettings) -> BenchModels:
     info = model_info(settings.target_model)
     choice = load_draft(settings.draft_model, cpu, *settings.draft_precision,
                         shared_dtype=dtype, attention_kernel=settings.attention_kernel,
-                        target_vocab_size=info.vocab_size, progress=settings.progress)
+                        target_vocab_size=info.vocab_size, progress=settings.progress,
+                        compile_setting=settings.draft_compile)
     draft, precision = choice.loaded, choice.precision
     models = BenchModels(target.model, draft.model, draft.token_map, target.tokenizer,
                          info.eos_token_ids, str(resolve(settings.draft_model)),
@@ -205,6 +209,7 @@ class ProcessStack:
                 "--attention-kernel", settings.attention_kernel,
                 "--draft-dtype", settings.draft_dtype,
                 "--draft-linear-kernel", settings.draft_linear_kernel,
+                "--draft-compile", settings.draft_compile,
                 "--max-draft-tokens", str(max(16, settings.max_length))]
         self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         self.startup_timeout_s = settings.startup_timeout_s

@@ -104,7 +104,7 @@ def settings_from_args(args: argparse.Namespace) -> object:
         assistant_model=args.assistant_model, dtype=args.dtype,
         torch_threads=args.torch_threads, linear_kernel=args.linear_kernel,
         attention_kernel=args.attention_kernel, draft_dtype=args.draft_dtype,
-        draft_linear_kernel=args.draft_linear_kernel,
+        draft_linear_kernel=args.draft_linear_kernel, draft_compile=args.draft_compile,
         grpc_torch_threads=args.grpc_torch_threads, modes=modes,
         systems=_csv(args.systems),
         lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),

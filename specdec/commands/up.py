@@ -14,6 +14,7 @@ from specdec.stack import Stack, start_stack
 # Flags of `up` that are forwarded unchanged to each `specdec serve`.
 FORWARDED = ("target_model", "draft_model", "device", "dtype", "torch_threads",
              "linear_kernel", "attention_kernel", "draft_dtype", "draft_linear_kernel",
+             "draft_compile",
              "kv_budget_mb", "session_ttl_s", "max_workers",
              "max_draft_tokens", "num_draft_tokens", "draft_confidence", "draft_alternatives",
              "prompt_lookup_tokens", "prompt_lookup_min", "prompt_lookup_max",

@@ -1,0 +1,154 @@
+"""--draft-compile: torch.compile of the draft's forward, checked against eager.
+
+The committed draft is compiled once for the module (about a minute on 2 cores without
+inductor's disk cache). Exactness with a compiled draft is in test_exactness.py.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo.utils
+from tiny_models import tiny_llama
+
+from specdec.draft_compile import (
+    DraftCompileError,
+    compile_draft,
+    contiguous_cache,
+    should_try,
+)
+from specdec.models import DEFAULT_DRAFT, load_causal_lm
+from specdec.runner import ModelRunner
+
+CPU = torch.device("cpu")
+TARGET_VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def compiled_draft() -> tuple[Any, Any]:
+    """The committed draft compiled ("on"), and its eager forward."""
+    torch.set_num_threads(2)
+    loaded = load_causal_lm(DEFAULT_DRAFT, CPU, torch.float32, progress=False,
+                            linear_kernel="torch")
+    eager = loaded.model.forward
+    outcome = compile_draft(loaded.model, lambda: runner_for(loaded), "on", CPU)
+    assert outcome.compiled and "compiled in" in outcome.detail
+    return loaded, eager
+
+
+def runner_for(loaded: Any) -> ModelRunner:
+    return ModelRunner(loaded.model, target_vocab_size=TARGET_VOCAB, token_map=loaded.token_map)
+
+
+def decode_like_a_draft(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
+    """Prompts, then rounds of a catch-up after a rollback and one-token steps: the
+    extends a draft service runs. Returns every extend's logits."""
+    rng = random.Random(seed)
+    logits = []
+    for prompt_length in (19, 57):
+        runner.extend("s", 0, 0, [rng.randrange(4096) for _ in range(prompt_length)])
+        for _ in range(12):
+            held = runner.kv_length("s")
+            committed = max(1, held - rng.randrange(0, 4))  # rejected draft tokens roll back
+            fingerprint = runner._sessions["s"].history.fingerprint(committed)
+            catch_up = [rng.randrange(4096) for _ in range(rng.randrange(1, 4))]
+            logits.append(runner.extend("s", committed, fingerprint, catch_up).logits)
+            for _ in range(rng.randrange(0, 4)):
+                logits.append(runner.append("s", [rng.randrange(4096)]).logits)
+    runner.release("s")
+    return logits
+
+
+def test_compiled_draft_gives_eager_logits_and_compiles_nothing_more_while_decoding(
+        compiled_draft: tuple[Any, Any]) -> None:
+    loaded, eager = compiled_draft
+    compiled = loaded.model.forward
+    graphs_after_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled_logits = decode_like_a_draft(runner_for(loaded), seed=0)
+    # Rollbacks leave the cache as strided slices: without contiguous_cache each layout
+    # compiled a graph of its own, a stall of seconds in the middle of decoding.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_warm_up
+    loaded.model.forward = eager
+    try:
+        eager_logits = decode_like_a_draft(runner_for(loaded), seed=0)
+    finally:
+        loaded.model.forward = compiled
+    assert len(compiled_logits) == len(eager_logits) > 24
+    for got, expected in zip(compiled_logits, eager_logits, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_contiguous_cache_hands_the_compiled_forward_contiguous_keys_and_values() -> None:
+    seen: list[bool] = []
+
+    class Layer:
+        def __init__(self) -> None:
+            self.keys = torch.zeros(1, 3, 10, 4)[:, :, :6]  # a crop's slice
+            self.values = torch.zeros(1, 10, 3, 4).transpose(1, 2)  # attention's layout
+
+    class Cache:
+        layers = [Layer(), Layer()]
+
+    def compiled(**kwargs: Any) -> str:
+        seen.extend(tensor.is_contiguous() for layer in kwargs["cache"].layers
+                    for tensor in (layer.keys, layer.values))
+        return "out"
+
+    def eager(**kwargs: Any) -> str:
+        """The eager forward's docstring."""
+        return "eager"
+
+    forward = contiguous_cache(eager, compiled)
+    cache = Cache()
+    assert forward(cache=cache) == "out" and seen == [True] * 4
+    assert cache.layers[0].keys.shape == (1, 3, 6, 4)
+    assert forward.__doc__ == eager.__doc__  # the runner reads the signature through it
+
+
+def test_settings() -> None:
+    assert should_try("auto", CPU) and should_try("on", CPU)
+    assert not should_try("off", CPU)
+    # auto compiles only where it was measured; on asks for it anywhere.
+    assert not should_try("auto", torch.device("cuda"))
+    assert should_try("on", torch.device("cuda"))
+    with pytest.raises(ValueError, match="one of"):
+        should_try("yes", CPU)
+
+
+def test_off_leaves_the_forward_alone() -> None:
+    model = tiny_llama(32, seed=5, layers=1)
+    forward = model.forward
+    outcome = compile_draft(model, lambda: ModelRunner(model), "off", CPU)
+    assert not outcome.compiled and outcome.detail == "eager (--draft-compile off)"
+    assert model.forward == forward
+
+
+@pytest.fixture
+def no_cpp_compiler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inductor as on a host without a C++ compiler (the slim container image)."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("no_cpp_compiler")
+def test_auto_falls_back_to_eager_when_compiling_fails_and_on_raises() -> None:
+    model = tiny_llama(32, seed=6, layers=1)
+    forward = model.forward
+    outcome = compile_draft(model, lambda: ModelRunner(model), "auto", CPU)
+    assert not outcome.compiled and outcome.detail.startswith("eager (compiling the draft failed")
+    assert model.forward == forward
+    runner = ModelRunner(model)
+    assert runner.extend("s", 0, 0, [1, 2, 3]).logits.shape == (1, 32)  # still serves
+    with pytest.raises(DraftCompileError, match="SPECDEC_DRAFT_COMPILE=off"):
+        compile_draft(model, lambda: ModelRunner(model), "on", CPU)
+    assert model.forward == forward
