@@ -1,10 +1,10 @@
 """torch.compile for the draft's forward, kept only where it measures faster.
 
 On CPU most of a small draft's step is per-op overhead, not weight reads: the committed
-2-layer draft (float32, 47 MB) spends about 1.7 ms of its 4.2-4.6 ms one-token step in
-matrix products; Python, module calls and ~40 small ops take the rest. Inductor fuses
-those ops into a few C++ kernels: 2.0-2.7 ms per step on the same host
-(docs/benchmarks.md section 4m).
+2-layer draft (float32, 47 MB) spends about 1.7 ms of its 4.2 ms one-token step in
+matrix products (torch profiler); Python, module calls and ~40 small ops take the rest.
+Inductor fuses those ops into a few C++ kernels: interleaved on one 2-core host, a step
+took 0.72-0.76 of its eager time (docs/benchmarks.md section 4m).
 
 Only the draft is compiled. Its kernels change how fast it proposes and which tokens it
 proposes, never the output law: the probabilities it reports come from the same logits

@@ -129,14 +129,14 @@ def test_off_leaves_the_forward_alone() -> None:
 
 
 @pytest.fixture
-def no_cpp_compiler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def no_cpp_compiler() -> Iterator[None]:
     """Inductor as on a host without a C++ compiler (the slim container image)."""
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    yield
+    # No cached kernels either: a cache hit would never call the compiler.
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",), "fx_graph_cache": False}):
+        yield
     torch._dynamo.reset()
 
 

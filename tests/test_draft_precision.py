@@ -50,4 +50,4 @@ def test_a_set_precision_is_loaded_as_is_without_measuring(draft_dir: Path) -> N
                         attention_kernel="auto", target_vocab_size=None)
     assert choice.precision == Precision(torch.float32, "torch") and not choice.step_s
     assert choice.loaded.precision == "float32, torch linear, grouped attention"
-    assert choice.describe() == "float32/torch (as set)"
+    assert choice.describe() == "float32/torch (as set); forward eager (--draft-compile off)"
