@@ -12,12 +12,11 @@ it samples from. The target keeps its row-invariant kernels (specdec/attention.p
 specdec/kernels.py), on which greedy equality in bfloat16 rests; inductor's generated
 kernels are not checked for that.
 
-Compiling is lazy, so `compile_draft` warms the shapes decoding runs (a prompt, the
-catch-up of a round's committed tokens, one-token steps at growing lengths) before the
-model serves: dynamic shapes give one graph for one-row and one for several-row
-forwards, whatever the context length. The first start on a machine compiles for about
-a minute on 2 cores; inductor caches the result on disk (TORCHINDUCTOR_CACHE_DIR), and a
-later start takes 10-15 s.
+Compiling is lazy, so `compile_draft` runs a session's decode-sized extends (a catch-up,
+one-token steps at growing lengths) before the model serves; a session's first forward
+and rare long catch-ups stay eager (`decode_steps_compiled`), so nothing compiles while
+serving. The first start on a machine compiles for about a minute on 2 cores; inductor
+caches the result on disk (TORCHINDUCTOR_CACHE_DIR), and a later start takes 10-15 s.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from specdec.attention import MAX_QUERY_ROWS
 from specdec.runner import ModelRunner
 from specdec.timing import extend_timer, round_robin
 
@@ -40,8 +40,8 @@ AUTO, ON, OFF = "auto", "on", "off"
 SETTINGS = (AUTO, ON, OFF)
 TIMED_ROUNDS = 9
 WARM_PROMPT_TOKENS = 24
-# A catch-up of several tokens, then one-token steps: the second length after a shape's
-# first call is what turns the cache length into a dynamic size.
+# Extends of a live session, in tokens: a catch-up, one-token steps, another catch-up.
+# A graph's second call, at another cache length, is what makes that length dynamic.
 WARM_EXTENDS = (3, 1, 1, 2, 1, 1)
 
 
@@ -81,25 +81,51 @@ def warm_up(runner: ModelRunner) -> None:
         runner.release(session)
 
 
-def contiguous_cache(eager: Callable[..., Any], compiled: Callable[..., Any]
-                     ) -> Callable[..., Any]:
-    """compiled, called with every cached key and value tensor made contiguous first.
+def decode_steps_compiled(eager: Callable[..., Any], compiled: Callable[..., Any]
+                          ) -> Callable[..., Any]:
+    """The draft's forward: compiled for decode-sized extends of a live session, eager
+    for the rest, with the cache in one memory layout.
 
-    A crop (the rollback after a rejection) leaves a slice with the strides of the
-    longer tensor, and a session's first forward stores its keys in the layout attention
-    made them in. Compiled code guards on strides, so each layout compiled another graph
-    (8 for 3 prompts of decoding, and 8 is dynamo's limit) and a recompile stalled a
-    round for 8-14 s. The copy is the draft's small cache (2 layers here)."""
+    Compiled code guards on its inputs' shapes and strides, and a graph compiled while
+    serving stalls a round for seconds (8.5-14 s here). Three things made new graphs:
+    - a session's first forward (no cache yet) is its own graph, again for 1, 2-16 and
+      over 16 tokens; it runs once per request, so it stays eager, and so does the next
+      one after a one-token prompt (dynamo specializes a cache length of 1);
+    - over MAX_QUERY_ROWS tokens attention takes another path (a catch-up after rounds
+      that verified prompt-lookup hits without the draft); rare, so eager too;
+    - a crop (the rollback after a rejection) leaves a slice with the strides of the
+      longer tensor, and a first forward stores keys in the layout attention made them
+      in: each layout was a graph (8 over 3 prompts of decoding, dynamo's limit). The
+      cache is copied to the canonical contiguous layout first (the draft's cache is
+      small: 2 layers here).
+    What is left are two graphs: one-token steps and 2-16-token extends."""
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("cache")
-        for layer in getattr(cache, "layers", ()):
+        layers = getattr(kwargs.get("cache"), "layers", None)
+        input_ids = kwargs.get("input_ids")
+        if (not layers or input_ids is None or input_ids.shape[-1] > MAX_QUERY_ROWS
+                or not all(getattr(layer, "is_initialized", False) for layer in layers)
+                or layers[0].keys.shape[-2] < 2):
+            return eager(*args, **kwargs)
+        for layer in layers:
             for name in ("keys", "values"):
                 tensor = getattr(layer, name, None)
-                if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
-                    setattr(layer, name, tensor.contiguous())
+                if isinstance(tensor, torch.Tensor) and tensor.stride() != _canonical_strides(
+                        tensor.shape):
+                    setattr(layer, name, tensor.clone(memory_format=torch.contiguous_format))
         return compiled(*args, **kwargs)
     return forward
+
+
+def _canonical_strides(shape: torch.Size) -> tuple[int, ...]:
+    """Row-major strides, size-1 dimensions included (is_contiguous() ignores those, the
+    compiled code's guards do not)."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def compile_draft(model: Any, new_runner: Callable[[], ModelRunner], setting: str,
@@ -113,7 +139,7 @@ def compile_draft(model: Any, new_runner: Callable[[], ModelRunner], setting: st
     if not should_try(setting, device):
         return CompileOutcome(False, f"eager (--draft-compile {setting})")
     eager = model.forward
-    compiled = contiguous_cache(eager, torch.compile(eager, dynamic=True))
+    compiled = decode_steps_compiled(eager, torch.compile(eager, dynamic=True))
     started = time.perf_counter()
     log.info("compiling the draft's forward (torch.compile; about a minute the first time "
              "on 2 cores, cached in TORCHINDUCTOR_CACHE_DIR)")

@@ -15,10 +15,11 @@ import torch
 import torch._dynamo.utils
 from tiny_models import tiny_llama
 
+from specdec.attention import MAX_QUERY_ROWS
 from specdec.draft_compile import (
     DraftCompileError,
     compile_draft,
-    contiguous_cache,
+    decode_steps_compiled,
     should_try,
 )
 from specdec.models import DEFAULT_DRAFT, load_causal_lm
@@ -49,13 +50,16 @@ def decode_like_a_draft(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
     extends a draft service runs. Returns every extend's logits."""
     rng = random.Random(seed)
     logits = []
-    for prompt_length in (19, 57):
+    for prompt_length in (19, 1, 57):
         runner.extend("s", 0, 0, [rng.randrange(4096) for _ in range(prompt_length)])
-        for _ in range(12):
+        for round_index in range(12):
             held = runner.kv_length("s")
             committed = max(1, held - rng.randrange(0, 4))  # rejected draft tokens roll back
             fingerprint = runner._sessions["s"].history.fingerprint(committed)
-            catch_up = [rng.randrange(4096) for _ in range(rng.randrange(1, 4))]
+            # Round 5 catches up after rounds of prompt-lookup hits: more tokens than a
+            # decode-sized forward.
+            width = MAX_QUERY_ROWS + 5 if round_index == 5 else rng.randrange(1, 4)
+            catch_up = [rng.randrange(4096) for _ in range(width)]
             logits.append(runner.extend("s", committed, fingerprint, catch_up).logits)
             for _ in range(rng.randrange(0, 4)):
                 logits.append(runner.append("s", [rng.randrange(4096)]).logits)
@@ -69,45 +73,58 @@ def test_compiled_draft_gives_eager_logits_and_compiles_nothing_more_while_decod
     compiled = loaded.model.forward
     graphs_after_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled_logits = decode_like_a_draft(runner_for(loaded), seed=0)
-    # Rollbacks leave the cache as strided slices: without contiguous_cache each layout
-    # compiled a graph of its own, a stall of seconds in the middle of decoding.
+    # A graph compiled while serving stalls a round for seconds. Rollbacks leave the cache
+    # as strided slices (without contiguous_cache each layout compiled a graph of its
+    # own), and long catch-ups and one-token prompts take other paths (the warm-up runs
+    # them).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_warm_up
     loaded.model.forward = eager
     try:
         eager_logits = decode_like_a_draft(runner_for(loaded), seed=0)
     finally:
         loaded.model.forward = compiled
-    assert len(compiled_logits) == len(eager_logits) > 24
+    assert len(compiled_logits) == len(eager_logits) > 36
     for got, expected in zip(compiled_logits, eager_logits, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_contiguous_cache_hands_the_compiled_forward_contiguous_keys_and_values() -> None:
-    seen: list[bool] = []
+def test_decode_steps_go_compiled_with_a_canonical_cache_the_rest_eager() -> None:
+    calls: list[tuple[str, list[tuple[int, ...]]]] = []
 
     class Layer:
+        is_initialized = True
+
         def __init__(self) -> None:
             self.keys = torch.zeros(1, 3, 10, 4)[:, :, :6]  # a crop's slice
-            self.values = torch.zeros(1, 10, 3, 4).transpose(1, 2)  # attention's layout
+            self.values = torch.zeros(1, 1, 3, 4).transpose(1, 2)  # one token, attention's
+            # layout: is_contiguous() says yes, its strides are not the canonical ones
 
     class Cache:
-        layers = [Layer(), Layer()]
+        def __init__(self) -> None:
+            self.layers = [Layer(), Layer()]
 
-    def compiled(**kwargs: Any) -> str:
-        seen.extend(tensor.is_contiguous() for layer in kwargs["cache"].layers
-                    for tensor in (layer.keys, layer.values))
-        return "out"
+    def record(name: str) -> Any:
+        def forward(**kwargs: Any) -> str:
+            calls.append((name, [tensor.stride() for layer in kwargs["cache"].layers
+                                 for tensor in (layer.keys, layer.values)]))
+            return name
+        return forward
 
-    def eager(**kwargs: Any) -> str:
-        """The eager forward's docstring."""
-        return "eager"
-
-    forward = contiguous_cache(eager, compiled)
+    eager = record("eager")
+    forward = decode_steps_compiled(eager, record("compiled"))
     cache = Cache()
-    assert forward(cache=cache) == "out" and seen == [True] * 4
+    assert forward(input_ids=torch.zeros(1, 2, dtype=torch.long), cache=cache) == "compiled"
+    assert calls[-1][1] == [(72, 24, 4, 1), (12, 4, 4, 1)] * 2
     assert cache.layers[0].keys.shape == (1, 3, 6, 4)
-    assert forward.__doc__ == eager.__doc__  # the runner reads the signature through it
+    long_catch_up = torch.zeros(1, MAX_QUERY_ROWS + 1, dtype=torch.long)
+    assert forward(input_ids=long_catch_up, cache=cache) == "eager"
+    one_token = Cache()
+    one_token.layers[0].keys = torch.zeros(1, 3, 1, 4)  # after a one-token prompt
+    assert forward(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=one_token) == "eager"
+    Layer.is_initialized = False  # a session's first forward
+    assert forward(input_ids=torch.zeros(1, 2, dtype=torch.long), cache=Cache()) == "eager"
+    assert forward.__wrapped__ is eager  # the runner reads the signature through it
 
 
 def test_settings() -> None:

@@ -73,6 +73,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     metrics = {role: free_port() for role in ROLES}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SPECDEC_"))}
     env["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+    env["SPECDEC_DRAFT_COMPILE"] = "off"  # as the rest of the suite (tests/conftest.py)
     processes = {}
     for role in ROLES:
         command = [sys.executable, "-m", "specdec.cli", "serve", role, "--port",

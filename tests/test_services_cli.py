@@ -55,7 +55,8 @@ def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) ->
         with grpc.insecure_channel(f"127.0.0.1:{ports['draft']}") as channel:
             described = draft_pb2_grpc.DraftStub(channel).Describe(
                 draft_pb2.DescribeRequest(), timeout=10)
-        assert described.precision == "float32/torch (as set)"  # what operators see
+        # What operators see (the suite's SPECDEC_DRAFT_COMPILE=off, tests/conftest.py).
+        assert described.precision == "float32/torch (as set); forward eager (--draft-compile off)"
 
         result = subprocess.run(
             [*SPECDEC, "generate", "Hello there", "--chat", "--max-new-tokens", "12",
@@ -112,7 +113,7 @@ def test_draft_precision_settings_default_to_auto_and_follow_the_shared_ones(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from specdec.config import add_model_settings, draft_precision
+    from specdec.config import add_model_settings, draft_compile, draft_precision
 
     def parsed(*argv: str) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
@@ -126,3 +127,10 @@ def test_draft_precision_settings_default_to_auto_and_follow_the_shared_ones(
     assert draft_precision(parsed("--draft-linear-kernel", "skinny")) == ("float32", "skinny")
     with pytest.raises(SystemExit):  # argparse: an unknown kernel is a usage error
         parsed("--draft-linear-kernel", "fast")
+    monkeypatch.delenv("SPECDEC_DRAFT_COMPILE", raising=False)
+    assert draft_compile(parsed()) == "auto"
+    monkeypatch.setenv("SPECDEC_DRAFT_COMPILE", "on")
+    assert draft_compile(parsed()) == "on"
+    assert draft_compile(parsed("--draft-compile", "off")) == "off"
+    with pytest.raises(SystemExit):
+        parsed("--draft-compile", "yes")

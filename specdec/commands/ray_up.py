@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Environment the replicas need wherever Ray places them: tracing export, model cache,
-# offline hub, and the OpenMP waiting policy `specdec up` gives its services.
-FORWARDED_ENV_PREFIXES = ("OTEL_", "SPECDEC_", "HF_")
+# offline hub, inductor's cache of the compiled draft, and the OpenMP waiting policy
+# `specdec up` gives its services.
+FORWARDED_ENV_PREFIXES = ("OTEL_", "SPECDEC_", "HF_", "TORCHINDUCTOR_")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
