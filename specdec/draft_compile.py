@@ -63,7 +63,8 @@ def should_try(setting: str, device: torch.device) -> bool:
 
 
 def warm_up(runner: ModelRunner) -> None:
-    """Run every shape decoding will, in a scratch session (compiles them all now)."""
+    """Run the extends decoding runs compiled, in a scratch session: their graphs
+    compile now, not while serving."""
     session = f"compile-warm-up-{time.monotonic_ns()}"
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, min(runner.vocab.target_vocab_size, 4096),
@@ -98,7 +99,7 @@ def decode_steps_compiled(eager: Callable[..., Any], compiled: Callable[..., Any
       in: each layout was a graph (8 over 3 prompts of decoding, dynamo's limit). The
       cache is copied to the canonical contiguous layout first (the draft's cache is
       small: 2 layers here).
-    What is left are two graphs: one-token steps and 2-16-token extends."""
+    What is left are the graphs of one-token steps and of 2-16-token extends (3 here)."""
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any) -> Any:
         layers = getattr(kwargs.get("cache"), "layers", None)
