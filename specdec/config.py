@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from specdec.draft_compile import AUTO as COMPILE_AUTO
+from specdec.draft_compile import SETTINGS as COMPILE_SETTINGS
 from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, parse_device, parse_dtype
 
 
@@ -73,14 +75,14 @@ def add_draft_precision_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--draft-linear-kernel", "",
                 "matmul kernel of the draft's linear layers (empty = --linear-kernel)",
                 choices=("", *KERNELS))
-    add_setting(parser, "--draft-compile", "auto",
+    add_setting(parser, "--draft-compile", COMPILE_AUTO,
                 "torch.compile the draft's forward: auto (on CPU compile at load, time it "
                 "against eager and keep the faster; see specdec/draft_compile.py), on, off",
-                choices=("auto", "on", "off"))
+                choices=COMPILE_SETTINGS)
 
 
 def draft_compile(args: argparse.Namespace | Any) -> str:
-    return getattr(args, "draft_compile", "") or "auto"
+    return getattr(args, "draft_compile", "") or COMPILE_AUTO
 
 
 def draft_precision(args: argparse.Namespace | Any) -> tuple[str, str]:

@@ -4,7 +4,7 @@ On CPU most of a small draft's step is per-op overhead, not weight reads: the co
 2-layer draft (float32, 47 MB) spends about 1.7 ms of its 4.2 ms one-token step in
 matrix products (torch profiler); Python, module calls and ~40 small ops take the rest.
 Inductor fuses those ops into a few C++ kernels: interleaved on one 2-core host, a step
-took 0.72-0.76 of its eager time (docs/benchmarks.md section 4m).
+took 0.72-0.77 of its eager time (docs/benchmarks.md section 4m).
 
 Only the draft is compiled. Its kernels change how fast it proposes and which tokens it
 proposes, never the output law: the probabilities it reports come from the same logits
@@ -15,8 +15,8 @@ kernels are not checked for that.
 Compiling is lazy, so `compile_draft` runs a session's decode-sized extends (a catch-up,
 one-token steps at growing lengths) before the model serves; a session's first forward
 and rare long catch-ups stay eager (`decode_steps_compiled`), so nothing compiles while
-serving. The first start on a machine compiles for about a minute on 2 cores; inductor
-caches the result on disk (TORCHINDUCTOR_CACHE_DIR), and a later start takes 10-15 s.
+serving. The first start on a machine compiled for 54 s on 2 cores; inductor caches the
+result on disk (TORCHINDUCTOR_CACHE_DIR), and later starts took 12-16 s.
 """
 
 from __future__ import annotations
