@@ -32,13 +32,12 @@ import torch
 
 from specdec.attention import MAX_QUERY_ROWS
 from specdec.runner import ModelRunner
-from specdec.timing import extend_timer, round_robin
+from specdec.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 
 log = logging.getLogger(__name__)
 
 AUTO, ON, OFF = "auto", "on", "off"
 SETTINGS = (AUTO, ON, OFF)
-TIMED_ROUNDS = 9
 WARM_PROMPT_TOKENS = 24
 # Extends of a live session, in tokens: a catch-up, one-token steps, another catch-up.
 # A graph's second call, at another cache length, is what makes that length dynamic.
@@ -66,10 +65,8 @@ def warm_up(runner: ModelRunner) -> None:
     """Run the extends decoding runs compiled, in a scratch session: their graphs
     compile now, not while serving."""
     session = f"compile-warm-up-{time.monotonic_ns()}"
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, min(runner.vocab.target_vocab_size, 4096),
-                           (WARM_PROMPT_TOKENS + sum(WARM_EXTENDS),),
-                           generator=generator).tolist()
+    tokens = random_tokens(runner.vocab.target_vocab_size,
+                           WARM_PROMPT_TOKENS + sum(WARM_EXTENDS))
     try:
         committed = WARM_PROMPT_TOKENS
         runner.extend(session, 0, 0, tokens[:committed],
@@ -130,7 +127,7 @@ def _canonical_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 def compile_draft(model: Any, new_runner: Callable[[], ModelRunner], setting: str,
-                  device: torch.device, rounds: int = TIMED_ROUNDS) -> CompileOutcome:
+                  device: torch.device, rounds: int = STEP_ROUNDS) -> CompileOutcome:
     """Compile model.forward in place if the setting asks for it.
 
     auto: compile, warm up, time the one-token step compiled and eager round-robin, keep
@@ -159,7 +156,13 @@ def compile_draft(model: Any, new_runner: Callable[[], ModelRunner], setting: st
     compile_s = time.perf_counter() - started
     if setting == ON:
         return CompileOutcome(True, f"compiled in {compile_s:.0f} s (--draft-compile on)")
-    step_ms = _step_ms(model, new_runner, {"eager": eager, "compiled": compiled}, rounds)
+    runner = new_runner()
+
+    def using(forward: Callable[..., Any]) -> tuple[ModelRunner, Callable[[], None]]:
+        return runner, lambda: setattr(model, "forward", forward)
+
+    step_ms = {name: seconds * 1000 for name, seconds in fastest_step_s(
+        {"eager": using(eager), "compiled": using(compiled)}, rounds).items()}
     keep = min(step_ms, key=lambda name: step_ms[name])
     model.forward = compiled if keep == "compiled" else eager
     times = ", ".join(f"{name} {ms:.1f} ms" for name, ms in step_ms.items())
@@ -167,25 +170,3 @@ def compile_draft(model: Any, new_runner: Callable[[], ModelRunner], setting: st
                           f"{keep}, the faster one-token step of {times} "
                           f"(compiled in {compile_s:.0f} s)")
 
-
-def _step_ms(model: Any, new_runner: Callable[[], ModelRunner],
-             forwards: dict[str, Callable[..., Any]], rounds: int) -> dict[str, float]:
-    """The fastest one-token step with each forward, interleaved (other work only adds
-    time, so the minimum is the least disturbed)."""
-    runner = new_runner()
-    vocab = min(runner.vocab.target_vocab_size, 4096)
-    context = torch.randint(0, vocab, (65,), generator=torch.Generator().manual_seed(1)).tolist()
-    step, release = extend_timer(runner, context[:-1], context[-1:])
-
-    def with_forward(forward: Callable[..., Any]) -> Callable[[], float]:
-        def call() -> float:
-            model.forward = forward
-            return step()
-        return call
-
-    try:
-        samples = round_robin({name: with_forward(forward)
-                               for name, forward in forwards.items()}, rounds)
-    finally:
-        release()
-    return {name: min(values) * 1000 for name, values in samples.items()}

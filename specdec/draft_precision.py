@@ -25,11 +25,9 @@ from specdec.draft_compile import OFF, CompileOutcome, compile_draft
 from specdec.kernels import resolve_kernel
 from specdec.models import LoadedModel, load_causal_lm, parse_dtype
 from specdec.runner import ModelRunner
-from specdec.timing import extend_timer, round_robin
+from specdec.timing import STEP_ROUNDS, fastest_step_s
 
 AUTO = "auto"
-CONTEXT_TOKENS = 64
-TIMED_ROUNDS = 9
 
 
 @dataclass(frozen=True)
@@ -71,27 +69,19 @@ class Choice:
 
 def choose_fastest(options: list[Precision], load: Callable[[Precision], LoadedModel],
                    runner_for: Callable[[LoadedModel], ModelRunner],
-                   rounds: int = TIMED_ROUNDS) -> Choice:
+                   rounds: int = STEP_ROUNDS) -> Choice:
     """Load each option, time its one-token step round-robin, keep the fastest."""
     loaded = {option: load(option) for option in options}
     if len(options) == 1:
         return Choice(loaded[options[0]], options[0], {})
-    runners = {option: runner_for(model) for option, model in loaded.items()}
-    vocab = min(min(runner.vocab.target_vocab_size for runner in runners.values()), 4096)
-    generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab, (CONTEXT_TOKENS + 1,), generator=generator).tolist()
-    timers = {option: extend_timer(runner, context[:-1], context[-1:])
-              for option, runner in runners.items()}
-    try:
-        samples = round_robin({option: call for option, (call, _) in timers.items()}, rounds)
-    finally:
-        for _, release in timers.values():
-            release()
-    # The fastest of each candidate's steps: other work on the machine (a service loading
-    # beside this one) only ever adds time, so the minimum is the least disturbed.
-    fastest = {option: min(values) for option, values in samples.items()}
+    fastest = fastest_step_s({option: (runner_for(model), _nothing)
+                              for option, model in loaded.items()}, rounds)
     best = min(options, key=lambda option: fastest[option])
     return Choice(loaded[best], best, {option.label: fastest[option] for option in options})
+
+
+def _nothing() -> None:
+    pass
 
 
 def load_draft(name: str, device: torch.device, dtype_setting: str, linear_kernel: str, *,

@@ -6,9 +6,20 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import TypeVar
 
+import torch
+
 from specdec.runner import ModelRunner
 
 Key = TypeVar("Key", bound=Hashable)
+STEP_CONTEXT_TOKENS = 64
+STEP_ROUNDS = 9
+
+
+def random_tokens(vocab_size: int, count: int, seed: int = 0) -> list[int]:
+    """count seeded token ids below min(vocab_size, 4096): low ids, which a draft's
+    reduced vocabulary holds too."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(vocab_size, 4096), (count,), generator=generator).tolist()
 
 
 def extend_timer(runner: ModelRunner, context: list[int], new_tokens: list[int],
@@ -48,3 +59,30 @@ def round_robin(calls: Mapping[Key, Callable[[], float]], rounds: int,
             if on_last_round is not None and round_index == rounds - 1:
                 on_last_round()
     return samples
+
+
+def fastest_step_s(steps: Mapping[Key, tuple[ModelRunner, Callable[[], None]]],
+                   rounds: int = STEP_ROUNDS) -> dict[Key, float]:
+    """Each runner's fastest one-token step after STEP_CONTEXT_TOKENS tokens, the steps
+    interleaved; a step's prepare() runs before each of its calls (to swap a forward,
+    say). The fastest, not the median: other work on the machine (a service loading
+    beside this one) only ever adds time, so the minimum is the least disturbed."""
+    vocab = min(runner.vocab.target_vocab_size for runner, _ in steps.values())
+    context = random_tokens(vocab, STEP_CONTEXT_TOKENS + 1)
+    timers = {key: extend_timer(runner, context[:-1], context[-1:])
+              for key, (runner, _) in steps.items()}
+
+    def prepared(key: Key) -> Callable[[], float]:
+        prepare, (call, _) = steps[key][1], timers[key]
+
+        def timed() -> float:
+            prepare()
+            return call()
+        return timed
+
+    try:
+        samples = round_robin({key: prepared(key) for key in steps}, rounds)
+    finally:
+        for _, release in timers.values():
+            release()
+    return {key: min(values) for key, values in samples.items()}
