@@ -16,11 +16,17 @@ request handling, waking up), and the rest. Then the target's forward per round 
 and adaptive and their gap, both from one stack, so drift between stacks cancels (section
 4l: `--mode t1 --prompts-per-category 1 2 1/2 2 1/2`). Variants run in the order given;
 interleave repeats of them (`2 1 2 1`) on a noisy machine.
+
+--sched adds, per process and per timed run, what the kernel's scheduler counted for its
+threads (/proc/PID/task/TID/schedstat and status): CPU time, time runnable but waiting for
+a core, and involuntary context switches, per round. A thread that burns a core while
+another service computes shows up there (section 4n).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -59,6 +65,52 @@ def parse_variant(text: str) -> tuple[int, int, dict[str, dict[str, str]], int |
             int(workers) if workers else None)
 
 
+Sched = tuple[str, int, int, int, int]
+
+
+def sched_snapshot(pids: dict[str, int]) -> dict[tuple[str, int], Sched]:
+    """Per (role, tid): name, ns on a CPU, ns waiting for one, involuntary switches, minor
+    page faults."""
+    snapshot = {}
+    for role, pid in pids.items():
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                on_cpu, waiting, _ = (task / "schedstat").read_text().split()
+                name = (task / "comm").read_text().strip()
+                status = (task / "status").read_text()
+                minor_faults = int((task / "stat").read_text().rpartition(")")[2].split()[7])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended between listing and reading
+            switches = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+            snapshot[(role, int(task.name))] = (name, int(on_cpu), int(waiting), switches,
+                                                minor_faults)
+    return snapshot
+
+
+def sched_report(before: dict[tuple[str, int], Sched], after: dict[tuple[str, int], Sched],
+                 rounds: int, wall_s: float) -> list[str]:
+    """Lines: per role the ms on a CPU / waiting per round, and its busiest threads."""
+    rows: dict[str, list[tuple[float, float, float, float, str]]] = {}
+    for key, (name, *counts) in after.items():
+        start = before.get(key, (name, 0, 0, 0, 0))[1:]
+        on_cpu, waiting, switches, faults = (
+            now - then for now, then in zip(counts, start, strict=True))
+        rows.setdefault(key[0], []).append(
+            (on_cpu / 1e6 / rounds, waiting / 1e6 / rounds, switches / rounds,
+             faults / rounds, f"{name}/{key[1]}"))
+    lines = [f"wall {1000 * wall_s / rounds:.1f} ms per round"]
+    for role, threads in rows.items():
+        threads.sort(reverse=True)
+        busiest = ", ".join(f"{label} {cpu:.1f}/{wait:.1f}/{nvcsw:.1f}"
+                            for cpu, wait, nvcsw, _, label in threads[:4] if cpu >= 0.05)
+        lines.append(f"{role:<12} cpu {sum(t[0] for t in threads):6.1f} ms, waiting "
+                     f"{sum(t[1] for t in threads):5.1f} ms, involuntary switches "
+                     f"{sum(t[2] for t in threads):5.1f}, minor faults "
+                     f"{sum(t[3] for t in threads):6.1f} per round; busiest "
+                     f"(cpu/wait/nvcsw): {busiest}")
+    return lines
+
+
 def per_round_ms(stats: list[coordinator_pb2.GenerationStats]) -> dict[str, float]:
     """Mean ms per round: draft model / wait beyond it, target model / wait, the rest."""
     rounds = max(1, sum(s.rounds for s in stats))
@@ -77,6 +129,8 @@ def main() -> int:
     parser.add_argument("--prompts-per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--mode", default="greedy", choices=sorted(MODES))
+    parser.add_argument("--sched", action="store_true",
+                        help="report each process's CPU and run-queue time per round")
     args = parser.parse_args()
     draft, _ = default_draft_or_truncated()
     encode = chat_encoder(load_tokenizer(DEFAULT_TARGET))
@@ -96,9 +150,13 @@ def main() -> int:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             rates = {}
             stats: dict[str, list[coordinator_pb2.GenerationStats]] = {"0": [], "adaptive": []}
+            pids = {role: proc.pid for role, proc in stack.processes.items()}
+            pids["client"] = os.getpid()
+            sched: dict[str, list[str]] = {}
             for length in stats:
                 timed = []
                 for repeat in range(2):  # the first warms the services' caches and costs
+                    before, started_all = sched_snapshot(pids), time.perf_counter()
                     for ids in prompts:
                         request = grpc_request(BenchConfig(GRPC, length), MODES[args.mode], ids,
                                                args.max_new_tokens, seed=0)
@@ -108,6 +166,9 @@ def main() -> int:
                             timed.append(len(response.token_ids)
                                          / (time.perf_counter() - started))
                             stats[length].append(response.stats)
+                rounds = max(1, sum(s.rounds for s in stats[length]))
+                sched[length] = sched_report(before, sched_snapshot(pids), rounds,
+                                             time.perf_counter() - started_all)
                 rates[length] = statistics.median(timed)
             channel.close()
         finally:
@@ -122,6 +183,10 @@ def main() -> int:
         print(f"{'':<32} target forward per round: k=0 {forward['0']:.1f} ms, adaptive "
               f"{forward['adaptive']:.1f} ms, gap {forward['adaptive'] - forward['0']:+.1f} ms",
               flush=True)
+        if args.sched:
+            for length, lines in sched.items():
+                for line in lines:
+                    print(f"{'':<32} sched k={length}: {line}", flush=True)
     return 0
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from specdec.attention import MAX_QUERY_ROWS
+from specdec.kernels import OneDnnLinear
 from specdec.runner import ModelRunner
 from specdec.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 
@@ -42,6 +43,10 @@ WARM_PROMPT_TOKENS = 24
 # Extends of a live session, in tokens: a catch-up, one-token steps, another catch-up.
 # A graph's second call, at another cache length, is what makes that length dynamic.
 WARM_EXTENDS = (3, 1, 1, 2, 1, 1)
+# Measured twice (the target in bfloat16, and a draft whose precision choice picked
+# bfloat16/onednn): the warm-up fails after ~10 s with a 30-line LoweringException.
+ONEDNN_REASON = ("inductor does not lower the onednn linear kernel's prepacked weights "
+                 "(mkldnn._linear_pointwise)")
 
 
 class DraftCompileError(RuntimeError):
@@ -132,10 +137,17 @@ def compile_draft(model: Any, new_runner: Callable[[], ModelRunner], setting: st
 
     auto: compile, warm up, time the one-token step compiled and eager round-robin, keep
     the faster; a compile that fails leaves the eager forward and logs why. on: compile
-    and warm up, raise DraftCompileError if that fails.
+    and warm up, raise DraftCompileError if that fails. A draft on the onednn kernel is
+    not tried (auto: eager; on: DraftCompileError), as inductor cannot lower it.
     """
     if not should_try(setting, device):
         return CompileOutcome(False, f"eager (--draft-compile {setting})")
+    if any(isinstance(module, OneDnnLinear) for module in model.modules()):
+        if setting == ON:
+            raise DraftCompileError(
+                f"--draft-compile on: {ONEDNN_REASON}; set SPECDEC_DRAFT_LINEAR_KERNEL=torch "
+                "to compile, or SPECDEC_DRAFT_COMPILE=off")
+        return CompileOutcome(False, f"eager ({ONEDNN_REASON})")
     eager = model.forward
     compiled = decode_steps_compiled(eager, torch.compile(eager, dynamic=True))
     started = time.perf_counter()

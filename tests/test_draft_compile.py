@@ -17,11 +17,13 @@ from tiny_models import tiny_llama
 
 from specdec.attention import MAX_QUERY_ROWS
 from specdec.draft_compile import (
+    ONEDNN_REASON,
     DraftCompileError,
     compile_draft,
     decode_steps_compiled,
     should_try,
 )
+from specdec.kernels import apply_linear_kernel
 from specdec.models import DEFAULT_DRAFT, load_causal_lm
 from specdec.runner import ModelRunner
 
@@ -167,5 +169,19 @@ def test_auto_falls_back_to_eager_when_compiling_fails_and_on_raises() -> None:
     runner = ModelRunner(model)
     assert runner.extend("s", 0, 0, [1, 2, 3]).logits.shape == (1, 32)  # still serves
     with pytest.raises(DraftCompileError, match="SPECDEC_DRAFT_COMPILE=off"):
+        compile_draft(model, lambda: ModelRunner(model), "on", CPU)
+    assert model.forward == forward
+
+
+def test_a_draft_on_the_onednn_kernel_is_not_compiled() -> None:
+    """Inductor fails on onednn's prepacked weights after ~10 s of tracing; auto says so
+    in one line and stays eager, on refuses with the setting that would compile."""
+    model = tiny_llama(32, seed=7, layers=1).to(torch.bfloat16)
+    assert apply_linear_kernel(model, "onednn") == "onednn"
+    forward = model.forward
+    outcome = compile_draft(model, lambda: ModelRunner(model), "auto", CPU)
+    assert not outcome.compiled and outcome.detail == f"eager ({ONEDNN_REASON})"
+    assert model.forward == forward
+    with pytest.raises(DraftCompileError, match="SPECDEC_DRAFT_LINEAR_KERNEL=torch"):
         compile_draft(model, lambda: ModelRunner(model), "on", CPU)
     assert model.forward == forward
