@@ -19,8 +19,8 @@ interleave repeats of them (`2 1 2 1`) on a noisy machine.
 
 --sched adds, per process and per timed run, what the kernel's scheduler counted for its
 threads (/proc/PID/task/TID/schedstat, status and stat): CPU time, time runnable but
-waiting for a core, involuntary context switches and minor page faults, per round. A thread that burns a core while
-another service computes shows up there (section 4n).
+waiting for a core, involuntary context switches and minor page faults, per round. A
+thread that burns a core while another service computes shows up there (section 4n).
 """
 
 from __future__ import annotations

@@ -76,13 +76,23 @@ def test_configs_validate_names() -> None:
         build_configs(("specdec-local",), ("0",))
 
 
-def test_quick_flag_settings() -> None:
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--quick", "--repeats", "3"])
-    settings = settings_from_args(args)
+def test_quick_flag_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPECDEC_DRAFT_COMPILE", raising=False)  # conftest sets it
+
+    def settings_for(*flags: str) -> BenchSettings:
+        parser = argparse.ArgumentParser()
+        add_parser(parser.add_subparsers())  # reads SPECDEC_* now
+        return settings_from_args(parser.parse_args(["bench", *flags]))
+
+    settings = settings_for("--quick", "--repeats", "3")
     assert settings.modes == ("greedy",) and settings.per_category == 1
     assert settings.lengths == ("2", "4", "adaptive", "adaptive+a0") and settings.repeats == 3
+    # A quick run leaves the draft eager, unless a flag or the environment asks.
+    assert settings.draft_compile == "off"
+    assert settings_for().draft_compile == "auto"
+    assert settings_for("--quick", "--draft-compile", "auto").draft_compile == "auto"
+    monkeypatch.setenv("SPECDEC_DRAFT_COMPILE", "on")
+    assert settings_for("--quick").draft_compile == "on"
 
 
 def test_draft_precision_flags_reach_the_settings_and_the_cost_label(

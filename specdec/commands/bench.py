@@ -5,19 +5,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.config import add_draft_precision_settings, add_kernel_settings, add_setting
+from specdec.config import (
+    add_draft_precision_settings,
+    add_kernel_settings,
+    add_setting,
+    env_name,
+)
+from specdec.draft_compile import AUTO as COMPILE_AUTO
 
 if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI parses
     from specdec.bench.harness import BenchResult
 
+# The draft runs eager in a quick run: compiling it took 51 s of a 173 s quick run with
+# an empty inductor cache (2 cores), for 1-2 % of a round (docs/benchmarks.md 4m, 4n).
 QUICK = {"modes": "greedy", "lengths": "2,4,adaptive,adaptive+a0", "prompts_per_category": 1,
-         "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24}
+         "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24,
+         "draft_compile": "off"}
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -40,12 +50,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                 type=int)
     add_kernel_settings(parser)
     add_draft_precision_settings(parser)
+    # None = not set by flag or environment, so that --quick can turn the compile off.
+    parser.set_defaults(draft_compile=os.environ.get(env_name("--draft-compile")) or None)
     parser.add_argument("--grpc-torch-threads", type=int, default=0,
                         help="torch threads of each `specdec serve` process of the gRPC "
                         "system (0 = torch default, as `specdec up` starts them)")
     parser.add_argument("--quick", action="store_true",
                         help="greedy, 1 prompt per category, k in 2,4,adaptive,adaptive+a0, "
-                        "32 tokens (under 3 minutes on 2 cores); explicit flags still win")
+                        "32 tokens, the draft not compiled (under 3 minutes on 2 cores); "
+                        "explicit flags and SPECDEC_* variables still win")
     parser.add_argument("--modes", default=None,
                         help=f"sampling modes (default: {','.join(MODES)})")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
@@ -104,7 +117,8 @@ def settings_from_args(args: argparse.Namespace) -> object:
         assistant_model=args.assistant_model, dtype=args.dtype,
         torch_threads=args.torch_threads, linear_kernel=args.linear_kernel,
         attention_kernel=args.attention_kernel, draft_dtype=args.draft_dtype,
-        draft_linear_kernel=args.draft_linear_kernel, draft_compile=args.draft_compile,
+        draft_linear_kernel=args.draft_linear_kernel,
+        draft_compile=str(pick("draft_compile", COMPILE_AUTO)),
         grpc_torch_threads=args.grpc_torch_threads, modes=modes,
         systems=_csv(args.systems),
         lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),
