@@ -19,6 +19,7 @@ from specdec.config import (
     env_name,
 )
 from specdec.draft_compile import AUTO as COMPILE_AUTO
+from specdec.draft_compile import OFF as COMPILE_OFF
 
 if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI parses
     from specdec.bench.harness import BenchResult
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI
 # an empty inductor cache (2 cores), for 1-2 % of a round (docs/benchmarks.md 4m, 4n).
 QUICK = {"modes": "greedy", "lengths": "2,4,adaptive,adaptive+a0", "prompts_per_category": 1,
          "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24,
-         "draft_compile": "off"}
+         "draft_compile": COMPILE_OFF}
 
 
 def _csv(text: str) -> tuple[str, ...]:
