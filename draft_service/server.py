@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import grpc
 
@@ -19,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
-           telemetry: Telemetry | None = None) -> ServerHandle:
+           telemetry: Telemetry | None = None, executor: Executor | None = None) -> ServerHandle:
+    """executor: where forwards run (`specdec serve`: the main thread, specdec.compute)."""
     device, shared_dtype = apply_torch_settings(args)
     dtype_setting, linear_kernel = draft_precision(args)
     # The draft maps its rows onto the target's vocabulary, so it needs its size.
@@ -33,5 +35,5 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
                             kv_budget_mb=args.kv_budget_mb)
     servicer = DraftServicer(runner, session_ttl_s=args.session_ttl_s,
                              max_draft_tokens=args.max_draft_tokens, telemetry=telemetry,
-                             precision=choice.describe())
+                             precision=choice.describe(), executor=executor)
     return start_model_server(servicer, args, interceptors, telemetry)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
+
 import grpc
 
 from specdec import wire
@@ -21,12 +23,12 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
                  max_draft_tokens: int = 64, telemetry: Telemetry | None = None,
-                 precision: str = "") -> None:
+                 precision: str = "", executor: Executor | None = None) -> None:
         self.runner = runner
         self.precision = precision  # specdec.draft_precision.Choice.describe()
         self.telemetry = telemetry or Telemetry("draft")
         self.telemetry.watch_runner(runner)
-        self.sessions = SessionTable(runner, session_ttl_s)
+        self.sessions = SessionTable(runner, session_ttl_s, executor=executor)
         self.max_draft_tokens = max_draft_tokens
 
     def service(self) -> Service:

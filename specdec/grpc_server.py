@@ -21,6 +21,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.compute import MainThreadExecutor
+
 log = logging.getLogger(__name__)
 
 # q for a long draft over a 49k vocabulary is a few MB; gRPC's default cap is 4 MB.
@@ -97,8 +99,12 @@ def build_server(services: Sequence[Service], *, host: str = "127.0.0.1", port: 
     return ServerHandle(server, address, health_servicer, names)
 
 
-def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0) -> None:
-    """Block until SIGINT/SIGTERM (or the server stops), then stop gracefully."""
+def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0,
+                       work: MainThreadExecutor | None = None) -> None:
+    """Block until SIGINT/SIGTERM (or the server stops), then stop gracefully.
+
+    work: the main thread's queue of model work (specdec.compute); the main thread runs
+    it while serving, and while the server drains, since in-flight calls wait on it."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -107,11 +113,20 @@ def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0) -> None:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not stop.wait(0.5):
-            if handle._stopped:
-                break
+        if work is None:
+            while not stop.wait(0.5):
+                if handle._stopped:
+                    break
+        else:
+            work.run_until(lambda: stop.is_set() or handle._stopped)
     finally:
-        handle.stop(grace_s)
+        if work is None:
+            handle.stop(grace_s)
+        else:
+            stopping = threading.Thread(target=handle.stop, args=(grace_s,), name="stop")
+            stopping.start()
+            work.run_until(lambda: not stopping.is_alive())
+            stopping.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -5,12 +5,13 @@ its first call still runs; interleaved extends would scramble the cache) and exp
 sessions nobody released: a coordinator that crashed mid-generation must not pin KV
 memory forever. ModelRunner itself only knows LRU eviction under its byte budget.
 
-Model work runs on one compute thread per process, whichever gRPC worker received the
-call. OpenMP keeps a thread team per calling thread: calls landing on whichever of 32
-workers is free started or woke a different team each time, which made 2 intra-op
-threads slower than 1 in a service (docs/benchmarks.md section 4g). One thread reuses
-one team. Forwards of different sessions queue instead of running side by side, which
-on a CPU they could only do by splitting the same cores.
+Model work runs on one thread per process, whichever gRPC worker received the call:
+under `specdec serve` the main thread (specdec.compute), elsewhere a compute thread of
+the table's own. OpenMP keeps a thread team per calling thread: calls landing on
+whichever of 32 workers is free started or woke a different team each time, which made 2
+intra-op threads slower than 1 in a service (docs/benchmarks.md section 4g). One thread
+reuses one team. Forwards of different sessions queue instead of running side by side,
+which on a CPU they could only do by splitting the same cores.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -42,7 +43,10 @@ T = TypeVar("T")
 
 class SessionTable:
     def __init__(self, runner: ModelRunner, ttl_s: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 executor: Executor | None = None) -> None:
+        """executor: where model work runs (`specdec serve` passes its main thread's);
+        default a compute thread of this table's own."""
         self.runner = runner
         self.ttl_s = ttl_s
         self._clock = clock
@@ -51,10 +55,11 @@ class SessionTable:
         self._last_used: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._compute = executor or ThreadPoolExecutor(max_workers=1,
+                                                       thread_name_prefix="compute")
 
     def call(self, session_id: str, work: Callable[[], T]) -> T:
-        """Run work on the compute thread, after the session's earlier calls.
+        """Run work on the model's thread, after the session's earlier calls.
 
         Every tensor op of a request belongs in work, not only the forward: a torch op on
         a gRPC worker thread starts another OpenMP team there, and once a process holds

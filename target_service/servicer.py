@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
+
 import grpc
 import torch
 
@@ -22,11 +24,12 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
     def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
-                 max_draft_tokens: int = 64, telemetry: Telemetry | None = None) -> None:
+                 max_draft_tokens: int = 64, telemetry: Telemetry | None = None,
+                 executor: Executor | None = None) -> None:
         self.runner = runner
         self.telemetry = telemetry or Telemetry("target")
         self.telemetry.watch_runner(runner)
-        self.sessions = SessionTable(runner, session_ttl_s)
+        self.sessions = SessionTable(runner, session_ttl_s, executor=executor)
         self.max_draft_tokens = max_draft_tokens
 
     def service(self) -> Service:

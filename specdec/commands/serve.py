@@ -83,6 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdec.compute import MainThreadExecutor
     from specdec.grpc_server import serve_until_signal
 
     if not args.port:
@@ -92,7 +93,13 @@ def run(args: argparse.Namespace) -> int:
     from specdec.telemetry.service import Telemetry
 
     telemetry = Telemetry.from_args(args, args.role)  # traces, and /metrics on its port
-    handle = importlib.import_module(module).create(args, telemetry=telemetry)
+    create = importlib.import_module(module).create
+    if args.role == "coordinator":
+        handle = create(args, telemetry=telemetry)
+        work = None
+    else:  # forwards run on this (the main) thread: see specdec.compute
+        work = MainThreadExecutor()
+        handle = create(args, telemetry=telemetry, executor=work)
     print(f"{args.role} serving on {handle.address}", flush=True)
-    serve_until_signal(handle, args.grace_s)
+    serve_until_signal(handle, args.grace_s, work)
     return 0

@@ -1,0 +1,149 @@
+"""specdec.compute: a served model's forwards run on the main thread (real gRPC server,
+real tiny model), and a stop lets the calls in flight finish there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import CancelledError, Future
+
+import grpc
+import pytest
+import torch
+from service_harness import DelayInterceptor
+from tiny_models import tiny_llama
+
+from coordinator.clients import GrpcDrafter
+from draft_service.servicer import DraftServicer
+from specdec.compute import MainThreadExecutor
+from specdec.grpc_server import build_server, serve_until_signal
+from specdec.history import TokenHistory
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+
+
+def on_main() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def submit_from_helper(work: MainThreadExecutor, jobs: list) -> list[Future]:
+    futures: list[Future] = []
+    helper = threading.Thread(target=lambda: futures.extend(work.submit(job) for job in jobs))
+    helper.start()
+    helper.join()
+    return futures
+
+
+def test_work_from_other_threads_runs_on_the_main_thread_in_order() -> None:
+    work = MainThreadExecutor()
+    ran: list[tuple[int, bool]] = []
+
+    def job(index: int) -> int:
+        ran.append((index, on_main()))
+        return index * 10
+
+    futures = submit_from_helper(work, [lambda i=i: job(i) for i in range(5)])
+    assert ran == []  # nothing runs until the main thread serves the queue
+    work.run_until(lambda: all(future.done() for future in futures), poll_s=0.01)
+    assert ran == [(i, True) for i in range(5)]
+    assert [future.result() for future in futures] == [0, 10, 20, 30, 40]
+
+
+def test_an_error_reaches_its_caller_and_the_queue_goes_on() -> None:
+    work = MainThreadExecutor()
+
+    def fail() -> None:
+        raise ValueError("bad request")
+
+    failing, after = submit_from_helper(work, [fail, lambda: "next"])
+    work.run_until(lambda: after.done(), poll_s=0.01)
+    with pytest.raises(ValueError, match="bad request"):
+        failing.result()
+    assert after.result() == "next"
+
+
+def test_work_submitted_on_the_main_thread_runs_at_once() -> None:
+    # Queued, it would wait for the thread that is waiting for it.
+    assert MainThreadExecutor().submit(on_main).result(timeout=0) is True
+
+
+def test_shutdown_refuses_new_work_and_cancels_what_is_queued() -> None:
+    work = MainThreadExecutor()
+    queued = submit_from_helper(work, [lambda: 1, lambda: 2])
+    work.shutdown(wait=False, cancel_futures=True)
+    assert all(future.cancelled() for future in queued)
+    with pytest.raises(CancelledError):
+        queued[0].result()
+    refused: list[BaseException] = []
+
+    def late() -> None:
+        try:
+            work.submit(lambda: 3)
+        except RuntimeError as error:
+            refused.append(error)
+
+    helper = threading.Thread(target=late)
+    helper.start()
+    helper.join()
+    assert refused and "stopping" in str(refused[0])
+
+
+def test_only_the_main_thread_serves_the_queue() -> None:
+    errors: list[BaseException] = []
+
+    def serve_elsewhere() -> None:
+        try:
+            MainThreadExecutor().run_until(lambda: True)
+        except RuntimeError as error:
+            errors.append(error)
+
+    helper = threading.Thread(target=serve_elsewhere)
+    helper.start()
+    helper.join()
+    assert errors and "main thread" in str(errors[0])
+
+
+def test_served_forwards_run_on_the_main_thread_and_a_stop_lets_calls_in_flight_finish(
+        ) -> None:
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=16, seed=1)
+    forward_threads: set[str] = set()
+    model.register_forward_hook(
+        lambda *_: forward_threads.add(threading.current_thread().name))
+    work = MainThreadExecutor()
+    servicer = DraftServicer(ModelRunner(model, target_vocab_size=16), executor=work)
+    # Each Propose waits 0.5 s before it reaches the servicer: the stop below arrives
+    # while the second one is in flight.
+    handle = build_server([servicer.service()],
+                          interceptors=[DelayInterceptor("Propose", 0.5)])
+    handle.on_stop.append(servicer.sessions.close)
+    proposals: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            channel = grpc.insecure_channel(handle.address)
+            drafter = GrpcDrafter(channel, handle.address, vocab_size=16, timeout_s=30)
+            committed = TokenHistory([1, 2, 3, 4])
+            proposals.append(drafter.propose("s", committed, 3, SamplingParams()).tokens)
+            while signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                time.sleep(0.01)  # serve_until_signal has not installed its handler yet
+            stopper = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+            stopper.start()
+            committed.extend(proposals[0])
+            proposals.append(drafter.propose("s", committed, 3, SamplingParams()).tokens)
+            stopper.join()
+            channel.close()
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    caller = threading.Thread(target=client)
+    caller.start()
+    serve_until_signal(handle, grace_s=10, work=work)
+    caller.join(timeout=30)
+    assert not errors, errors
+    assert [len(tokens) for tokens in proposals] == [3, 3]
+    assert forward_threads == {threading.main_thread().name}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
