@@ -19,8 +19,9 @@ interleave repeats of them (`2 1 2 1`) on a noisy machine.
 
 --sched adds, per process and per timed run, what the kernel's scheduler counted for its
 threads (/proc/PID/task/TID/schedstat, status and stat): CPU time, time runnable but
-waiting for a core, involuntary context switches and minor page faults, per round. A
-thread that burns a core while another service computes shows up there (section 4n).
+waiting for a core, involuntary and voluntary context switches and minor page faults,
+per round. A thread that burns a core while another service computes shows up there
+(section 4n), and so does an OpenMP worker that sleeps at every barrier (section 4o).
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ def parse_variant(text: str) -> tuple[int, int, dict[str, dict[str, str]], int |
             int(workers) if workers else None)
 
 
-Sched = tuple[str, int, int, int, int]
+Sched = tuple[str, int, int, int, int, int]
 
 
 def sched_snapshot(pids: dict[str, int]) -> dict[tuple[str, int], Sched]:
     """Per (role, tid): name, ns on a CPU, ns waiting for one, involuntary switches, minor
-    page faults."""
+    page faults, voluntary switches."""
     snapshot = {}
     for role, pid in pids.items():
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -82,32 +83,33 @@ def sched_snapshot(pids: dict[str, int]) -> dict[tuple[str, int], Sched]:
             except (FileNotFoundError, ProcessLookupError):
                 continue  # the thread ended between listing and reading
             switches = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+            voluntary = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
             snapshot[(role, int(task.name))] = (name, int(on_cpu), int(waiting), switches,
-                                                minor_faults)
+                                                minor_faults, voluntary)
     return snapshot
 
 
 def sched_report(before: dict[tuple[str, int], Sched], after: dict[tuple[str, int], Sched],
                  rounds: int, wall_s: float) -> list[str]:
     """Lines: per role the ms on a CPU / waiting per round, and its busiest threads."""
-    rows: dict[str, list[tuple[float, float, float, float, str]]] = {}
+    rows: dict[str, list[tuple[float, float, float, float, float, str]]] = {}
     for key, (name, *counts) in after.items():
-        start = before.get(key, (name, 0, 0, 0, 0))[1:]
-        on_cpu, waiting, switches, faults = (
+        start = before.get(key, (name, 0, 0, 0, 0, 0))[1:]
+        on_cpu, waiting, switches, faults, voluntary = (
             now - then for now, then in zip(counts, start, strict=True))
         rows.setdefault(key[0], []).append(
             (on_cpu / 1e6 / rounds, waiting / 1e6 / rounds, switches / rounds,
-             faults / rounds, f"{name}/{key[1]}"))
+             faults / rounds, voluntary / rounds, f"{name}/{key[1]}"))
     lines = [f"wall {1000 * wall_s / rounds:.1f} ms per round"]
     for role, threads in rows.items():
         threads.sort(reverse=True)
-        busiest = ", ".join(f"{label} {cpu:.1f}/{wait:.1f}/{nvcsw:.1f}"
-                            for cpu, wait, nvcsw, _, label in threads[:4] if cpu >= 0.05)
+        busiest = ", ".join(f"{label} {cpu:.1f}/{wait:.1f}/{nvcsw:.1f}/{vcsw:.1f}"
+                            for cpu, wait, nvcsw, _, vcsw, label in threads[:4] if cpu >= 0.05)
         lines.append(f"{role:<12} cpu {sum(t[0] for t in threads):6.1f} ms, waiting "
                      f"{sum(t[1] for t in threads):5.1f} ms, involuntary switches "
                      f"{sum(t[2] for t in threads):5.1f}, minor faults "
                      f"{sum(t[3] for t in threads):6.1f} per round; busiest "
-                     f"(cpu/wait/nvcsw): {busiest}")
+                     f"(cpu/wait/nvcsw/vcsw): {busiest}")
     return lines
 
 
