@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 
 import grpc
@@ -28,11 +29,25 @@ def on_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def submit_from_helper(work: MainThreadExecutor, jobs: list) -> list[Future]:
-    futures: list[Future] = []
-    helper = threading.Thread(target=lambda: futures.extend(work.submit(job) for job in jobs))
+def on_helper_thread(fn: Callable[[], object]) -> BaseException | None:
+    """Run fn on another thread and wait; what it raised, if anything."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            raised.append(error)
+
+    helper = threading.Thread(target=run)
     helper.start()
     helper.join()
+    return raised[0] if raised else None
+
+
+def submit_from_helper(work: MainThreadExecutor, jobs: list) -> list[Future]:
+    futures: list[Future] = []
+    assert on_helper_thread(lambda: futures.extend(work.submit(job) for job in jobs)) is None
     return futures
 
 
@@ -76,33 +91,13 @@ def test_shutdown_refuses_new_work_and_cancels_what_is_queued() -> None:
     assert all(future.cancelled() for future in queued)
     with pytest.raises(CancelledError):
         queued[0].result()
-    refused: list[BaseException] = []
-
-    def late() -> None:
-        try:
-            work.submit(lambda: 3)
-        except RuntimeError as error:
-            refused.append(error)
-
-    helper = threading.Thread(target=late)
-    helper.start()
-    helper.join()
-    assert refused and "stopping" in str(refused[0])
+    refused = on_helper_thread(lambda: work.submit(lambda: 3))
+    assert isinstance(refused, RuntimeError) and "stopping" in str(refused)
 
 
 def test_only_the_main_thread_serves_the_queue() -> None:
-    errors: list[BaseException] = []
-
-    def serve_elsewhere() -> None:
-        try:
-            MainThreadExecutor().run_until(lambda: True)
-        except RuntimeError as error:
-            errors.append(error)
-
-    helper = threading.Thread(target=serve_elsewhere)
-    helper.start()
-    helper.join()
-    assert errors and "main thread" in str(errors[0])
+    refused = on_helper_thread(lambda: MainThreadExecutor().run_until(lambda: True))
+    assert isinstance(refused, RuntimeError) and "main thread" in str(refused)
 
 
 def test_served_forwards_run_on_the_main_thread_and_a_stop_lets_calls_in_flight_finish(
