@@ -10,8 +10,8 @@ voluntary context switches per 3-token Propose on each of the two threads, again
 with the forwards on the main thread, which made the draft's forward 10-12 % faster
 (docs/benchmarks.md section 4o). So `specdec serve` runs every forward on the main
 thread, the one that loaded the model. Servers started inside another program (tests,
-in-process stacks) keep SessionTable's own compute thread: their main thread is the
-caller.
+in-process stacks, `specdec ray`'s replica actors, whose main thread runs Ray's task loop)
+keep SessionTable's own compute thread: their main thread is busy elsewhere.
 """
 
 from __future__ import annotations

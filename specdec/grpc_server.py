@@ -105,6 +105,7 @@ def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0,
 
     work: the main thread's queue of model work (specdec.compute); the main thread runs
     it while serving, and while the server drains, since in-flight calls wait on it."""
+    work = work or MainThreadExecutor()  # nothing queued: the main thread only waits
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -113,20 +114,12 @@ def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0,
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if work is None:
-            while not stop.wait(0.5):
-                if handle._stopped:
-                    break
-        else:
-            work.run_until(lambda: stop.is_set() or handle._stopped)
+        work.run_until(lambda: stop.is_set() or handle._stopped)
     finally:
-        if work is None:
-            handle.stop(grace_s)
-        else:
-            stopping = threading.Thread(target=handle.stop, args=(grace_s,), name="stop")
-            stopping.start()
-            work.run_until(lambda: not stopping.is_alive())
-            stopping.join()
+        stopping = threading.Thread(target=handle.stop, args=(grace_s,), name="stop")
+        stopping.start()
+        work.run_until(lambda: not stopping.is_alive())
+        stopping.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

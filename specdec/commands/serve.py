@@ -94,12 +94,9 @@ def run(args: argparse.Namespace) -> int:
 
     telemetry = Telemetry.from_args(args, args.role)  # traces, and /metrics on its port
     create = importlib.import_module(module).create
-    if args.role == "coordinator":
-        handle = create(args, telemetry=telemetry)
-        work = None
-    else:  # forwards run on this (the main) thread: see specdec.compute
-        work = MainThreadExecutor()
-        handle = create(args, telemetry=telemetry, executor=work)
+    work = MainThreadExecutor()  # model services' forwards run on this thread: specdec.compute
+    handle = (create(args, telemetry=telemetry) if args.role == "coordinator"
+              else create(args, telemetry=telemetry, executor=work))
     print(f"{args.role} serving on {handle.address}", flush=True)
     serve_until_signal(handle, args.grace_s, work)
     return 0
