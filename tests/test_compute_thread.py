@@ -116,6 +116,8 @@ def test_served_forwards_run_on_the_main_thread_and_a_stop_lets_calls_in_flight_
     handle.on_stop.append(servicer.sessions.close)
     proposals: list[list[int]] = []
     errors: list[BaseException] = []
+    # What SIGINT does now (default, or ignored where CI runs in the background).
+    before = signal.getsignal(signal.SIGINT)
 
     def client() -> None:
         try:
@@ -123,7 +125,7 @@ def test_served_forwards_run_on_the_main_thread_and_a_stop_lets_calls_in_flight_
             drafter = GrpcDrafter(channel, handle.address, vocab_size=16, timeout_s=30)
             committed = TokenHistory([1, 2, 3, 4])
             proposals.append(drafter.propose("s", committed, 3, SamplingParams()).tokens)
-            while signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            while signal.getsignal(signal.SIGINT) is before:
                 time.sleep(0.01)  # serve_until_signal has not installed its handler yet
             stopper = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
             stopper.start()
@@ -141,4 +143,4 @@ def test_served_forwards_run_on_the_main_thread_and_a_stop_lets_calls_in_flight_
     assert not errors, errors
     assert [len(tokens) for tokens in proposals] == [3, 3]
     assert forward_threads == {threading.main_thread().name}
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is before  # restored
