@@ -59,7 +59,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                  "them (Describe reports target_hidden_size 0)")
 
         def work() -> tuple[DraftOutput, common_pb2.DraftProbs | None]:
-            # Tensor work stays on the compute thread (see SessionTable.call).
+            # Tensor work stays on the model's thread (see SessionTable.call).
             target_hidden = None
             if self.runner.needs_target_hidden:
                 target_hidden = wire.decode_hidden(

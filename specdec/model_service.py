@@ -72,7 +72,7 @@ class SessionTable:
             self._last_used[session_id] = self._clock()
         with lock:
             try:
-                # The caller's context (its tracing span) goes along to the compute thread.
+                # The caller's context (its tracing span) goes along to the model's thread.
                 return self._compute.submit(contextvars.copy_context().run, work).result()
             finally:
                 with self._guard:

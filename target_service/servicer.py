@@ -56,7 +56,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                  f"{MAX_QUERY_ROWS}")
 
         def work() -> tuple[VerifyOutput, common_pb2.HiddenStates | None]:
-            # Tensor work stays on the compute thread (see SessionTable.call).
+            # Tensor work stays on the model's thread (see SessionTable.call).
             probs = None
             if draft_tokens and not params.greedy:
                 probs = wire.decode_probs(request.draft_probs, len(draft_tokens), vocab)
