@@ -9,9 +9,10 @@ every parallel region of a forward woke its worker through the kernel: about 50
 voluntary context switches per 3-token Propose on each of the two threads, against 1-3
 with the forwards on the main thread, which made the draft's forward 10-12 % faster
 (docs/benchmarks.md section 4o). So `specdec serve` runs every forward on the main
-thread, the one that loaded the model. Servers started inside another program (tests,
-in-process stacks, `specdec ray`'s replica actors, whose main thread runs Ray's task loop)
-keep SessionTable's own compute thread: their main thread is busy elsewhere.
+thread, the one that loaded the model. `specdec ray`'s replica actors, whose main thread
+runs Ray's task loop, load their model on a compute thread and run its forwards there
+(`on_own_compute_thread`). Servers started inside another program (tests, in-process
+stacks) keep SessionTable's own compute thread: their main thread is the caller's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -83,3 +84,15 @@ class MainThreadExecutor(Executor):
             except queue.Empty:
                 break
             future.cancel()
+
+
+def on_own_compute_thread(create: Callable[[Executor], T]) -> T:
+    """create(compute) on a new compute thread that then runs every piece of work given
+    to `compute`: the model loads on the thread that will run its forwards, so the
+    process keeps one OpenMP pool where its main thread cannot serve (a Ray actor)."""
+    compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    try:
+        return compute.submit(create, compute).result()
+    except BaseException:
+        compute.shutdown(wait=False, cancel_futures=True)
+        raise

@@ -66,6 +66,7 @@ class ServiceReplica:
         import ray
 
         from specdec.commands.serve import serve_parser
+        from specdec.compute import on_own_compute_thread
         from specdec.telemetry.service import Telemetry
 
         logging.basicConfig(level=logging.INFO,
@@ -76,7 +77,11 @@ class ServiceReplica:
             args.trace_file = str(Path(args.trace_dir) / f"{role}-{index}.jsonl")
         self.telemetry = Telemetry.from_args(args, role)
         module = importlib.import_module(f"{role}_service.server")
-        self.handle = module.create(args, telemetry=self.telemetry)
+        # Ray's task loop holds the actor's main thread, so the forwards cannot run there
+        # as under `specdec serve`; loading on the thread that runs them keeps the process
+        # at one OpenMP pool all the same (specdec/compute.py).
+        self.handle = on_own_compute_thread(
+            lambda compute: module.create(args, telemetry=self.telemetry, executor=compute))
         context = ray.get_runtime_context()
         self.info = ReplicaInfo(role, index,
                                 f"{ray.util.get_node_ip_address()}:{self.handle.port}",

@@ -1,5 +1,6 @@
 """specdec.compute: a served model's forwards run on the main thread (real gRPC server,
-real tiny model), and a stop lets the calls in flight finish there."""
+real tiny model), and a stop lets the calls in flight finish there; where the main
+thread cannot serve (a Ray actor), on the compute thread that loaded the model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Executor, Future
 
 import grpc
 import pytest
@@ -18,8 +19,8 @@ from tiny_models import tiny_llama
 
 from coordinator.clients import GrpcDrafter
 from draft_service.servicer import DraftServicer
-from specdec.compute import MainThreadExecutor
-from specdec.grpc_server import build_server, serve_until_signal
+from specdec.compute import MainThreadExecutor, on_own_compute_thread
+from specdec.grpc_server import ServerHandle, build_server, serve_until_signal
 from specdec.history import TokenHistory
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
@@ -144,3 +145,38 @@ def test_served_forwards_run_on_the_main_thread_and_a_stop_lets_calls_in_flight_
     assert [len(tokens) for tokens in proposals] == [3, 3]
     assert forward_threads == {threading.main_thread().name}
     assert signal.getsignal(signal.SIGINT) is before  # restored
+
+
+def test_a_server_built_on_its_own_compute_thread_runs_its_forwards_there() -> None:
+    loaded_on: list[str] = []
+    forward_threads: set[str] = set()
+
+    def create(compute: Executor) -> ServerHandle:
+        loaded_on.append(threading.current_thread().name)
+        model = tiny_llama(vocab_size=16, seed=1)
+        model.register_forward_hook(
+            lambda *_: forward_threads.add(threading.current_thread().name))
+        servicer = DraftServicer(ModelRunner(model, target_vocab_size=16), executor=compute)
+        handle = build_server([servicer.service()])
+        handle.on_stop.append(servicer.sessions.close)
+        return handle
+
+    handle = on_own_compute_thread(create)
+    try:
+        with grpc.insecure_channel(handle.address) as channel:
+            drafter = GrpcDrafter(channel, handle.address, vocab_size=16, timeout_s=30)
+            committed = TokenHistory([1, 2, 3, 4])
+            for _ in range(2):
+                committed.extend(drafter.propose("s", committed, 3, SamplingParams()).tokens)
+    finally:
+        handle.stop(0)
+    assert loaded_on != [threading.current_thread().name]
+    assert forward_threads == set(loaded_on)
+
+
+def test_a_failed_build_on_its_own_compute_thread_reaches_the_caller() -> None:
+    def create(compute: Executor) -> None:
+        raise FileNotFoundError("no model at /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        on_own_compute_thread(create)
