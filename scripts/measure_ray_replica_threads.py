@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -91,11 +92,12 @@ def main() -> int:
     options = {"num_cpus": 1, "max_restarts": 0,
                "runtime_env": {"env_vars": SERVICE_THREAD_ENV}}
     infos: dict[str, ReplicaInfo] = {}
-    actors = []  # Ray kills an actor once its last handle is gone
+    actors: list[Any] = []  # Ray kills an actor once its last handle is gone
+    # One loads at a time: a draft times its precision as it loads.
     for index, (name, cls) in enumerate((("split", SplitReplica),
                                          ("one-thread", ServiceReplica))):
         actors.append(ray.remote(cls).options(**options).remote("draft", index, argv))
-        infos[name] = ray.get(actors[-1].describe.remote())  # one loads at a time
+        infos[name] = ray.get(actors[-1].describe.remote())  # type: ignore[attr-defined]
     vocab = model_info(serve_parser().parse_args(["draft"]).target_model).vocab_size
     drafters = {}
     for name, info in infos.items():
