@@ -66,3 +66,12 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
         assert not ignored(needed, patterns), f".dockerignore drops {needed}"
     for junk in (".venv", ".git", "tests", "specdec/__pycache__"):
         assert ignored(junk, patterns), f".dockerignore should drop {junk}"
+
+
+def test_runtime_stage_has_a_compiler_for_the_draft() -> None:
+    # SPECDEC_DRAFT_COMPILE=auto compiles the draft with inductor, which needs a C++
+    # compiler where the server runs; without one the draft stays eager.
+    runtime = DOCKERFILE.read_text().split("AS runtime", 1)[1]
+    assert re.search(r"^ARG RUNTIME_COMPILER=g\+\+$", runtime, re.M)
+    install = re.search(r"apt-get install [^\n]*", runtime)
+    assert install and "${RUNTIME_COMPILER}" in install.group(0)
