@@ -151,6 +151,8 @@ def load_runner(model: str, *, device: torch.device, dtype: torch.dtype,
     loaded = load_causal_lm(model, device, dtype, progress=False, linear_kernel=linear_kernel,
                             attention_kernel=attention_kernel)
     log.info("loaded %s: %s", model, loaded.precision)
+    if loaded.row_invariance_caveat:  # the target's rounding is what greedy equality rests on
+        log.warning("%s", loaded.row_invariance_caveat)
     return serving_runner(loaded, kv_budget_mb=kv_budget_mb)
 
 

@@ -147,6 +147,34 @@ class LoadedModel:
     token_map: torch.Tensor | None  # draft-vocab id -> target id, for reduced-vocab drafts
     name: str
     precision: str = ""  # "bfloat16, onednn linear, rowwise attention": what runs
+    # Why verified rows may not equal one-row decodes bit for bit here (None: they do).
+    row_invariance_caveat: str | None = None
+
+
+def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,
+                          attention: str) -> str | None:
+    """Why a verification's rows may differ from one-row decodes of the same tokens, or
+    None where they do not (as far as measured).
+
+    Greedy equality with the target's own decoding rests on it in reduced precision,
+    whose rounding moves logits by ~1e-2 (docs/benchmarks.md section 2). Measured
+    row-invariant: bfloat16 on CPU with the onednn linear and rowwise attention kernels,
+    the defaults there (tests/test_row_invariance.py). float32 rounds a row differently
+    by ~1e-6, which moves a greedy choice only at an exact near-tie; it is not flagged.
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if device.type == "cpu" and dtype == torch.bfloat16 and (linear, attention) == (
+            "onednn", "rowwise"):
+        return None
+    where = ("on CUDA, cuBLAS and SDPA pick kernels by row count" if device.type == "cuda"
+             else f"the {linear} linear and {attention} attention kernels")
+    return (f"{str(dtype).removeprefix('torch.')} verification on {device.type} is not "
+            f"row-invariant ({where}): a verified row's logits can differ from a one-row "
+            "decode's by ~1e-2, so greedy output can leave the target's own decoding at "
+            "near-ties (sampling keeps its law up to that rounding). For token-for-token "
+            "equality serve the target in float32 (--dtype float32), or on CPU in bfloat16 "
+            "with --linear-kernel onednn --attention-kernel rowwise (the defaults).")
 
 
 def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
@@ -173,7 +201,7 @@ def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
     except (OSError, ValueError):
         tokenizer = None
     return LoadedModel(model, tokenizer, token_map, str(name_or_path or DEFAULT_TARGET),
-                       precision)
+                       precision, row_invariance_caveat(device, dtype, linear, attention))
 
 
 def _model_class(source: Path | str) -> Any:

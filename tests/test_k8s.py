@@ -153,7 +153,7 @@ def test_endpoints_follow_a_namespace_change(tmp_path: Path) -> None:
 def test_gpu_overlay_requests_gpus() -> None:
     objects = docs(K8S / "overlays" / "gpu")
     settings = config(objects)
-    assert settings["SPECDEC_DEVICE"] == "cuda" and settings["SPECDEC_DTYPE"] == "bfloat16"
+    assert settings["SPECDEC_DEVICE"] == "cuda" and settings["SPECDEC_DTYPE"] == "float32"
     assert settings["SPECDEC_TARGET_MODEL"] != settings["SPECDEC_DRAFT_MODEL"]
     for role in ("draft", "target"):
         deployment = find(objects, "Deployment", f"specdec-{role}")["spec"]

@@ -1,8 +1,11 @@
-"""The skinny linear kernel: same products as F.linear, same greedy text, only where chosen."""
+"""The skinny linear kernel: same products as F.linear, same greedy text, only where chosen;
+and the warning where the served target's kernels are not row-invariant."""
 
 from __future__ import annotations
 
 import copy
+import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ from tiny_models import assert_speculative_greedy_equals_hf, tiny_gpt2, tiny_lla
 from torch import nn
 
 from specdec.kernels import SKINNY_MAX_ROWS, SkinnyLinear, apply_linear_kernel, resolve_kernel
+from specdec.model_service import load_runner
+from specdec.models import row_invariance_caveat
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 64), (1, 5, 64), (2, 3, 64),
@@ -67,3 +72,27 @@ def test_greedy_with_skinny_kernel_equals_hf_generate_with_torch_kernel(make) ->
     apply_linear_kernel(draft, "skinny")
     assert any(type(m) is SkinnyLinear for m in target.modules())
     assert_speculative_greedy_equals_hf(target, reference, draft)
+
+
+def test_the_caveat_names_kernels_that_are_not_row_invariant() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert row_invariance_caveat(cpu, torch.bfloat16, "onednn", "rowwise") is None
+    assert row_invariance_caveat(cpu, torch.float32, "skinny", "grouped") is None
+    assert row_invariance_caveat(cuda, torch.float32, "torch", "sdpa") is None
+    on_cpu = row_invariance_caveat(cpu, torch.bfloat16, "torch", "sdpa")
+    assert on_cpu and "torch linear and sdpa attention" in on_cpu and "--dtype float32" in on_cpu
+    on_cuda = row_invariance_caveat(cuda, torch.bfloat16, "torch", "sdpa")
+    assert on_cuda and "cuBLAS" in on_cuda
+    assert row_invariance_caveat(cpu, torch.float16, "torch", "rowwise") is not None
+
+
+def test_the_target_service_loader_warns_only_off_the_row_invariant_kernels(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tiny_llama(vocab_size=16, seed=1).save_pretrained(tmp_path)
+    caplog.set_level(logging.WARNING, logger="specdec.model_service")
+    load_runner(str(tmp_path), device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert not [record for record in caplog.records if "row-invariant" in record.message]
+    load_runner(str(tmp_path), device=torch.device("cpu"), dtype=torch.bfloat16,
+                linear_kernel="torch", attention_kernel="sdpa")
+    warned = [record for record in caplog.records if "row-invariant" in record.message]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
