@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 import ray  # noqa: E402
+from measure_service_threads import sched_snapshot  # noqa: E402  (this folder)
 
 from coordinator.clients import GrpcDrafter  # noqa: E402
 from specdec.commands.serve import serve_parser  # noqa: E402
@@ -60,22 +61,14 @@ class SplitReplica(ServiceReplica):
                                 self.telemetry.metrics_port, os.getpid())
 
 
-def thread_counters(pid: int) -> dict[str, tuple[str, int, float]]:
+def thread_counters(pid: int) -> dict[int, tuple[str, int, float]]:
     """tid -> (name, voluntary switches, ms on a CPU) for every thread of pid."""
-    counters = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-            on_cpu_ns = int((task / "schedstat").read_text().split()[0])
-        except OSError:  # the thread ended
-            continue
-        name = status.split("Name:")[1].split()[0]
-        voluntary = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
-        counters[task.name] = (name, voluntary, on_cpu_ns / 1e6)
-    return counters
+    return {tid: (name, voluntary, on_cpu_ns / 1e6)
+            for (_, tid), (name, on_cpu_ns, _, _, _, voluntary)
+            in sched_snapshot({"replica": pid}).items()}
 
 
-def totals(counters: dict[str, tuple[str, int, float]]) -> tuple[int, float]:
+def totals(counters: dict[int, tuple[str, int, float]]) -> tuple[int, float]:
     return (sum(voluntary for _, voluntary, _ in counters.values()),
             sum(on_cpu for _, _, on_cpu in counters.values()))
 
@@ -109,7 +102,7 @@ def main() -> int:
     model_ms: dict[str, list[float]] = {name: [] for name in infos}
     switched: dict[str, int] = dict.fromkeys(infos, 0)
     cpu_ms: dict[str, float] = dict.fromkeys(infos, 0.0)
-    first: dict[str, dict[str, tuple[str, int, float]]] = {}
+    first: dict[str, dict[int, tuple[str, int, float]]] = {}
     histories: dict[str, TokenHistory] = {}
     names = list(infos)
     for step in range(args.rounds + WARMUP_ROUNDS):
