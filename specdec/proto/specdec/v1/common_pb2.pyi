@@ -250,3 +250,42 @@ class Alternatives(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Alternatives: _TypeAlias = Alternatives  # noqa: Y015
+
+@_typing.final
+class BatchInfo(_message.Message):
+    """The forward a Propose or Verify ran in, so callers can see (and adapt to) the load.
+    A draft step batches every session still drafting; a verification batches every
+    session whose Verify was waiting when the previous forward ended.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    QUEUE_WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    sessions: _builtins.int
+    """Sessions whose rows shared the forward, this one included (for a Propose: the most
+    in any of its draft steps).
+    """
+    rows: _builtins.int
+    """Token rows in that forward, all sessions together."""
+    queue_wait_seconds: _builtins.float
+    """Seconds this call waited for a forward to take it."""
+    queued: _builtins.int
+    """Calls waiting for the next forward when this one ran."""
+    def __init__(
+        self,
+        *,
+        sessions: _builtins.int = ...,
+        rows: _builtins.int = ...,
+        queue_wait_seconds: _builtins.float = ...,
+        queued: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue_wait_seconds", b"queue_wait_seconds", "queued", b"queued", "rows", b"rows", "sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchInfo: _TypeAlias = BatchInfo  # noqa: Y015

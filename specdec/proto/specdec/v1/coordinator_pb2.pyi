@@ -31,8 +31,11 @@ class GenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
-    """Either prompt (text, tokenized by the target's tokenizer) or prompt_token_ids."""
+    """Exactly one of prompt (text, tokenized by the target's tokenizer), prompt_token_ids
+    and messages.
+    """
     chat: _builtins.bool
     """Apply the target's chat template to `prompt` as one user turn."""
     max_new_tokens: _builtins.int
@@ -52,6 +55,10 @@ class GenerateRequest(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop before the first occurrence of any of these strings."""
 
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """A conversation, rendered with the target's chat template (generation prompt added)."""
+
     def __init__(
         self,
         *,
@@ -63,14 +70,40 @@ class GenerateRequest(_message.Message):
         speculation: Global___SpeculationParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "speculation", b"speculation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculation", b"speculation", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "max_new_tokens", b"max_new_tokens", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculation", b"speculation", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a conversation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user" or "assistant"."""
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class SpeculationParams(_message.Message):

@@ -77,6 +77,7 @@ class ProposeResponse(_message.Message):
     KV_LENGTH_FIELD_NUMBER: _builtins.int
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
     ALTERNATIVES_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     kv_length: _builtins.int
     """Tokens the session's cache holds after the call."""
     forward_seconds: _builtins.float
@@ -93,6 +94,10 @@ class ProposeResponse(_message.Message):
     def alternatives(self) -> _common_pb2.Alternatives:
         """With num_alternatives: the alternatives to send to Verify with the tokens."""
 
+    @_builtins.property
+    def batch(self) -> _common_pb2.BatchInfo:
+        """The batch its draft steps ran in."""
+
     def __init__(
         self,
         *,
@@ -101,10 +106,11 @@ class ProposeResponse(_message.Message):
         kv_length: _builtins.int = ...,
         forward_seconds: _builtins.float = ...,
         alternatives: _common_pb2.Alternatives | None = ...,
+        batch: _common_pb2.BatchInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "probs", b"probs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "batch", b"batch", "probs", b"probs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "forward_seconds", b"forward_seconds", "kv_length", b"kv_length", "probs", b"probs", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "batch", b"batch", "forward_seconds", b"forward_seconds", "kv_length", b"kv_length", "probs", b"probs", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

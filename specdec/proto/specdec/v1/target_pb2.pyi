@@ -77,6 +77,7 @@ class VerifyResponse(_message.Message):
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
     HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     KEPT_ALTERNATIVE_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     accepted_len: _builtins.int
     """Leading draft tokens kept."""
     next_token: _builtins.int
@@ -93,6 +94,10 @@ class VerifyResponse(_message.Message):
         token and for a kept alternative, from position sync.committed_position on.
         """
 
+    @_builtins.property
+    def batch(self) -> _common_pb2.BatchInfo:
+        """The batch its forward ran in."""
+
     def __init__(
         self,
         *,
@@ -102,10 +107,11 @@ class VerifyResponse(_message.Message):
         forward_seconds: _builtins.float = ...,
         hidden_states: _common_pb2.HiddenStates | None = ...,
         kept_alternative: _builtins.int | None = ...,
+        batch: _common_pb2.BatchInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative", "hidden_states", b"hidden_states", "kept_alternative", b"kept_alternative"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative", "batch", b"batch", "hidden_states", b"hidden_states", "kept_alternative", b"kept_alternative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative", "accepted_len", b"accepted_len", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kept_alternative", b"kept_alternative", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative", "accepted_len", b"accepted_len", "batch", b"batch", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kept_alternative", b"kept_alternative", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__kept_alternative: _TypeAlias = _typing.Literal["kept_alternative"]  # noqa: Y015
     _WhichOneofArgType__kept_alternative: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative"]  # noqa: Y015
