@@ -5,10 +5,11 @@ draft then reads that text once. Under greedy verification a draft token is acce
 exactly when the draft's argmax after the committed text equals the target's next token,
 so the share of positions where they agree is the draft's per-token acceptance alpha at
 T=0, free of timing noise. The same pass gives the expected T=1 acceptance sum_x min(p(x), q(x))
-along that text (REFERENCE section 2). Drafts run in float32 with `F.linear`, the
-precision the draft service chose on this host (docs/benchmarks.md section 4j). The
-target runs transformers' bfloat16 kernels, not the served row-invariant ones, so its
-text can leave the served greedy text at a near-tie; every draft reads the same text:
+along that text (docs/design.md, "The exactness contract"). Drafts run in float32 with
+`F.linear`, one of the precisions the draft service chooses from (docs/configuration.md,
+SPECDEC_DRAFT_DTYPE). The target runs transformers' bfloat16 kernels, not the served
+row-invariant ones, so its text can leave the served greedy text at a near-tie; every
+draft reads the same text:
 
     .venv/bin/python scripts/compare_draft_acceptance.py specdec-draft /path/to/new-draft
 """

@@ -6,7 +6,8 @@ behind the confidence gate's default (SPECDEC_DRAFT_CONFIDENCE). Also prints how
 the target's token is among the draft's m best (m = 1..8): what alternatives verified
 beside the chain can add (SPECDEC_DRAFT_ALTERNATIVES); and how often prompt lookup
 (specdec.prompt_lookup) finds a match and its first token is the target's, by category
-and shortest n-gram (SPECDEC_PROMPT_LOOKUP_MIN; docs/benchmarks.md section 4f):
+and shortest n-gram (SPECDEC_PROMPT_LOOKUP_MIN; docs/performance.md, "What limits
+them"):
 
     .venv/bin/python scripts/draft_confidence_calibration.py --prompts-per-category 10 \
         --max-new-tokens 96 --dtype bfloat16
