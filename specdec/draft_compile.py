@@ -60,7 +60,7 @@ class CompileOutcome:
 
 
 def should_try(setting: str, device: torch.device) -> bool:
-    """auto compiles on CPU only: nowhere else has it been measured (no GPU was lent)."""
+    """auto compiles on CPU only, the one device where compiling has been measured."""
     if setting not in SETTINGS:
         raise ValueError(f"draft compile setting must be one of {SETTINGS}, got {setting!r}")
     return setting == ON or (setting == AUTO and device.type == "cpu")

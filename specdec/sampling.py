@@ -1,7 +1,8 @@
 """Logits processing and seeded sampling: pure functions on fp32 tensors.
 
 The same :class:`SamplingParams` is applied to the draft's and the target's logits, so q
-and p are the *processed* distributions the speculative rule needs (shared/REFERENCE.md §1).
+and p are the *processed* distributions the speculative rule needs (docs/design.md,
+"The exactness contract").
 All randomness comes from :func:`uniforms`, a counter-based stream keyed by
 (seed, absolute position, purpose): the random numbers used for a position do not depend
 on which process draws them, on earlier rounds, or on a service restart, which is what

@@ -54,8 +54,8 @@ def test_onednn_linear_row_result_is_independent_of_row_count(dtype: torch.dtype
                                                               in_features: int) -> None:
     # Every row count a decode-sized forward can have (the runner cuts longer extends into
     # pieces of at most MAX_QUERY_ROWS). Not beyond: on an Intel host with AMX, oneDNN
-    # sums 33 or more rows in another order (measured in the twelfth session; 2-300 rows
-    # agreed on the AMD host), which only prefills see, alike in every system.
+    # sums 33 or more rows in another order (2-300 rows agree on an AMD host), which only
+    # prefills see, alike in every system.
     layer = _onednn_layer(in_features, 192, dtype)
     x = torch.randn(MAX_QUERY_ROWS, in_features).to(dtype)
     with torch.inference_mode():

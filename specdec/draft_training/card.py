@@ -134,7 +134,7 @@ def _evaluation_lines(report: dict) -> list[str]:
         f"{report['c']:.3f}",
         "- T_target(k): "
         + ", ".join(f"k={k}: {v:.1f}" for k, v in sorted(t_target.items())),
-        "- Speedup bound S(gamma) at T=0 (shared/REFERENCE.md section 2, measured costs): "
+        "- Speedup bound S(gamma) at T=0 (docs/design.md, measured costs): "
         + ", ".join(f"{g}: {b:.2f}x" for g, b in sorted(bounds.items())),
         f"- Best gamma {report['best_gamma']}: bound {report['best_bound']:.2f}x over "
         "target-only.",

@@ -1,6 +1,6 @@
 """Measure a draft against the target on held-out prompts: alpha, accepted length, costs.
 
-Figures follow shared/REFERENCE.md section 2: alpha is the per-token acceptance
+Figures follow docs/design.md ("Choosing the draft length"): alpha is the per-token acceptance
 probability (MLE under the geometric model: accepted / (accepted + rejections)); costs
 are medians of warm-cache forwards; the bound S(gamma) uses the measured T_target(k).
 """
