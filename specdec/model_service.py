@@ -9,7 +9,7 @@ Model work runs on one thread per process, whichever gRPC worker received the ca
 under `specdec serve` the main thread (specdec.compute), elsewhere a compute thread of
 the table's own. OpenMP keeps a thread team per calling thread: calls landing on
 whichever of 32 workers is free started or woke a different team each time, which made 2
-intra-op threads slower than 1 in a service (docs/benchmarks.md section 4g). One thread
+intra-op threads slower than 1 in a service (docs/performance.md). One thread
 reuses one team. Forwards of different sessions queue instead of running side by side,
 which on a CPU they could only do by splitting the same cores.
 """
@@ -65,7 +65,7 @@ class SessionTable:
         a gRPC worker thread starts another OpenMP team there, and once a process holds
         more OpenMP threads than cores libgomp shortens every team's spin, so the
         forward's team sleeps between its GEMMs (T=1 Verify forwards went 35 -> 55 ms
-        after probabilities were decoded on worker threads; docs/benchmarks.md 4g).
+        after probabilities were decoded on worker threads; docs/performance.md).
         """
         with self._guard:
             lock = self._locks.setdefault(session_id, threading.Lock())

@@ -157,7 +157,7 @@ def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,
     None where they do not (as far as measured).
 
     Greedy equality with the target's own decoding rests on it in reduced precision,
-    whose rounding moves logits by ~1e-2 (docs/benchmarks.md section 2). Measured
+    whose rounding moves logits by ~1e-2 (docs/design.md, "Row invariance"). Measured
     row-invariant: bfloat16 on CPU with the onednn linear and rowwise attention kernels,
     the defaults there (tests/test_row_invariance.py). float32 rounds a row differently
     by ~1e-6, which moves a greedy choice only at an exact near-tie; it is not flagged.

@@ -3,14 +3,13 @@
 Where the last n committed tokens (n from max_ngram down to min_ngram) occurred before,
 the tokens that followed their latest earlier occurrence are proposed (transformers'
 PromptLookupCandidateGenerator, vLLM's "ngram" method). Answers repeat their prompt's
-names, code repeats identifiers, small models repeat themselves: with the default pair,
-a 2-gram match exists at a quarter of greedy positions of the bench prompts and its next
-token is the target's 67 % of the time, against 39 % for the draft model
-(docs/benchmarks.md section 4f).
+names, code repeats identifiers, small models repeat themselves, and a matched n-gram's
+next token is the target's more often than the draft model's guess
+(scripts/draft_confidence_calibration.py measures both on the bench prompts).
 
 The loop tries it before the draft model each round: a hit costs no draft forward. With
 an adaptive policy the hit is used only when its expected tokens per second beat the
-draft's (LookupEvidence); a 2-gram match in a story is right about half the time. The
+draft's (LookupEvidence), since how often a match is right depends on the text. The
 proposal is deterministic, so its q is one-hot: the rule accepts token x with
 probability p(x) and, on rejection, samples from p with x removed. Exactness holds for
 every sampling mode.

@@ -23,7 +23,7 @@ from specdec.grpc_server import wait_healthy
 # A short spin covers the gaps inside a forward: with each service's tensor work on
 # one compute thread (specdec.model_service), 2 threads each beat 1 thread each
 # (target-only over gRPC 25.0-26.4 against 17.7-21.3 tok/s). A 10x longer spin
-# (300000) measured level with this one (docs/benchmarks.md section 4g).
+# (300000) measured level with this one (docs/performance.md).
 SERVICE_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
 
 # Stop order: the coordinator first, so no new rounds reach the model services.
@@ -102,7 +102,7 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     one role (they win). draft_after_target_s > 0: start the draft only once the target
     is healthy (waiting at most that long), because the draft times its precision as it
     loads (--draft-dtype auto): beside the target's load on the same 2 cores it measured
-    19.5-22.7 ms for steps of 4-8 ms and chose the slowest kernel (docs/benchmarks.md 4j).
+    19.5-22.7 ms for steps of 4-8 ms and chose the slowest kernel (docs/performance.md).
     """
     ports = dict(ports or {})
     for role in ROLES:

@@ -49,7 +49,7 @@ class DraftOutput:
 
 # Alternatives per greedy round by default (SPECDEC_DRAFT_ALTERNATIVES): each is one more
 # row of the target's forward (1-3 ms in bfloat16 on 2 cores, against ~45 ms per round);
-# 2 was the fastest of 0, 1, 2 and 4 in one run (docs/benchmarks.md section 4d).
+# 2 was the fastest of 0, 1, 2 and 4 in one run (docs/performance.md).
 DEFAULT_ALTERNATIVES = 2
 
 

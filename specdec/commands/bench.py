@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI
     from specdec.bench.harness import BenchResult
 
 # The draft runs eager in a quick run: compiling it took 51 s of a 173 s quick run with
-# an empty inductor cache (2 cores), for 1-2 % of a round (docs/benchmarks.md 4m, 4n).
+# an empty inductor cache (2 cores), for 1-2 % of a round (docs/performance.md).
 QUICK = {"modes": "greedy", "lengths": "2,4,adaptive,adaptive+a0", "prompts_per_category": 1,
          "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24,
          "draft_compile": COMPILE_OFF}
