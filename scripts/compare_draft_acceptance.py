@@ -68,9 +68,9 @@ def main() -> None:
     for prompt in select(load_prompts(), args.prompts_per_category):
         prompt_ids = encode(prompt.text)
         with torch.inference_mode():
-            out = target.model.generate(torch.tensor([prompt_ids]), do_sample=False,
-                                        max_new_tokens=args.new_tokens, eos_token_id=eos,
-                                        pad_token_id=eos)
+            out = target.model.generate(  # type: ignore[operator]  # transformers' stub
+                torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=args.new_tokens,
+                eos_token_id=eos, pad_token_id=eos)
         text = out[0].tolist()
         rows = slice(len(prompt_ids) - 1, len(text) - 1)
         following = torch.tensor(text[len(prompt_ids):])
