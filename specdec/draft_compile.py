@@ -33,12 +33,13 @@ import torch
 from specdec.attention import MAX_QUERY_ROWS
 from specdec.kernels import OneDnnLinear
 from specdec.runner import ModelRunner
+from specdec.settings import COMPILE_CHOICES
 from specdec.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 
 log = logging.getLogger(__name__)
 
-AUTO, ON, OFF = "auto", "on", "off"
-SETTINGS = (AUTO, ON, OFF)
+SETTINGS = COMPILE_CHOICES
+AUTO, ON, OFF = COMPILE_CHOICES
 WARM_PROMPT_TOKENS = 24
 # Extends of a live session, in tokens: a catch-up, one-token steps, another catch-up.
 # A graph's second call, at another cache length, is what makes that length dynamic.

@@ -12,11 +12,10 @@ from typing import Protocol
 
 import torch
 
-from specdec.history import TokenHistory
+from specdec.history import SyncPoint, TokenHistory
 from specdec.rejection import NO_ALTERNATIVES, Alternatives
 from specdec.sampling import SamplingParams
 from specdec.stats import DRAFT_MODEL
-from specdec.steps import SyncPoint
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ class Drafter(Protocol):
                 num_alternatives: int = 0) -> Proposal:
         """Up to num_tokens tokens: fewer only when min_confidence stops the draft.
         num_alternatives (greedy): also up to that many of the draft's next-best tokens,
-        in Proposal.alternatives (steps.draft_step picks them)."""
+        in Proposal.alternatives."""
         ...
 
     def release(self, session_id: str) -> None: ...

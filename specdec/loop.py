@@ -21,6 +21,7 @@ from specdec.policy import CostedPolicy, DraftBackoff, FixedLength, LengthPolicy
 from specdec.prompt_lookup import LookupEvidence, PromptLookup
 from specdec.rejection import NO_ALTERNATIVES
 from specdec.sampling import SamplingParams
+from specdec.settings import default
 from specdec.stats import GenerationStats
 
 
@@ -28,7 +29,7 @@ from specdec.stats import GenerationStats
 class GenerateConfig:
     max_new_tokens: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_draft_tokens: int = 4  # 0 = target only
+    num_draft_tokens: int = default("num-draft-tokens")  # 0 = target only
     # Stop a proposal after a token the draft gives less than this probability (0 = off).
     draft_confidence: float = 0.0
     # Greedy: this many of the draft's next-best tokens verified beside its chain (0 = off).
