@@ -2,16 +2,12 @@
 
 The draft's precision changes only its speed and how often the target accepts its
 tokens, never the output (exactness is defined against the target as served), so it can
-follow the hardware: measured T_draft(1), in ms, on two CPUs (docs/benchmarks.md 4j):
-
-    host              bfloat16/onednn   float32/torch   float32/skinny
-    AMD EPYC              2.6-4.2            6.7          2.8-3.3
-    Intel Xeon (AMX)      4.7-7.7          3.7-5.4          6.4-7.7
-
-No one fixed choice is fastest on both, so `--draft-dtype auto` times each candidate's
-one-token step, interleaved, and keeps the fastest. Off the CPU it keeps --dtype. It
-measures as the draft loads: beside other processes starting on the same cores the
-choice can be off (it only costs speed); set a dtype to pin it.
+follow the hardware. Which of bfloat16/onednn, float32/torch and float32/skinny steps
+fastest differs between CPUs (with and without AMX, for instance), so
+`--draft-dtype auto` times each candidate's one-token step, interleaved, and keeps the
+fastest. Off the CPU it keeps --dtype. It measures as the draft loads: beside other
+processes starting on the same cores the choice can be off (it only costs speed); set a
+dtype to pin it. The cpu-tuned backend (specdec.backends) calls it.
 """
 
 from __future__ import annotations

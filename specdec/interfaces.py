@@ -33,7 +33,7 @@ class Proposal:
 @dataclass(frozen=True)
 class Verification:
     accepted_len: int  # leading draft tokens of the chain kept
-    next_token: int
+    next_token: int  # the target's own: recovered at a rejection, else the bonus token
     elapsed_s: float
     forward_s: float = 0.0
     resyncs: int = 0

@@ -106,12 +106,13 @@ _ALL = (
     Setting("num-draft-tokens", 4,
             "draft length when a request does not set speculation (adaptive requests start "
             "there)", SPECULATION, type=int),
-    # Verification forwards of up to 16 new rows stay decode-sized (attention.MAX_QUERY_ROWS).
+    # Drafts longer than this make a verification more than a decode-sized forward
+    # (specdec.attention.MAX_QUERY_ROWS rows), whose cost then grows with its length.
     Setting("max-draft-tokens", 16,
             "most tokens drafted per round (a request asking more is rejected)",
             SPECULATION, type=int),
-    # Past 8 tokens a verification costs more than the extra acceptance brings on CPU,
-    # and the adaptive policy sweeps every length it allows once.
+    # Beyond this a CPU verification costs more than the extra acceptance brings, and the
+    # adaptive policy sweeps every length it allows once.
     Setting("max-adaptive-length", 8,
             "longest draft the adaptive policy chooses unless a request asks for more (a "
             "flag of `specdec bench`; the services use this default)", SPECULATION, type=int),
