@@ -1,5 +1,5 @@
 """One source for every default: the settings registry, read by the CLI, the services,
-the loop and the Kubernetes config; and the backend chosen from it at load."""
+the loop and the Kubernetes config."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import argparse
 import inspect
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 import yaml
 
 from specdec import settings
@@ -178,65 +176,3 @@ def test_settings_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -
 
     assert command.run(argparse.Namespace(markdown=True)) == 0
     assert capsys.readouterr().out == settings.markdown_table()
-
-
-# The backend seam.
-
-def test_backend_follows_the_device() -> None:
-    from specdec.backends import backend_name
-
-    assert backend_name("auto", torch.device("cpu")) == "cpu-tuned"
-    assert backend_name("auto", torch.device("cuda")) == "torch"
-    assert backend_name("torch", torch.device("cpu")) == "torch"
-    with pytest.raises(ValueError, match="unknown backend 'fast'"):
-        backend_name("fast", torch.device("cpu"))
-
-
-def test_select_backend_reads_the_settings() -> None:
-    from specdec.backends import CpuTunedBackend, TorchBackend, select_backend
-
-    cpu = select_backend(SimpleNamespace(device="cpu", dtype="bfloat16", draft_dtype="same",
-                                         linear_kernel="skinny"))
-    assert isinstance(cpu, CpuTunedBackend)
-    assert (cpu.dtype, cpu.draft_dtype, cpu.draft_linear_kernel) == (
-        torch.bfloat16, "bfloat16", "skinny")
-    stock = select_backend(SimpleNamespace(device="cpu", dtype="float32", backend="torch"))
-    assert isinstance(stock, TorchBackend) and stock.dtype == torch.float32
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import tiny_llama
-
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_llama(vocab_size=64, seed=3).save_pretrained(path)
-    return path
-
-
-def test_torch_backend_loads_stock_kernels(tiny_model_dir: Path) -> None:
-    from specdec.backends import TorchBackend
-    from specdec.runner import ModelRunner
-
-    backend = TorchBackend(torch.device("cpu"), torch.float32)
-    loaded = backend.load(str(tiny_model_dir))
-    assert loaded.precision == "float32, torch linear, sdpa attention"
-    assert loaded.row_invariant is False
-    assert type(loaded.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
-    assert loaded.model.config._attn_implementation == "sdpa"
-    assert ModelRunner(loaded.model)._row_invariant is loaded.row_invariant
-    draft = backend.load_draft(str(tiny_model_dir), target_vocab_size=None)
-    assert draft.precision.dtype == torch.float32 and not draft.compiled.compiled
-
-
-def test_cpu_tuned_backend_applies_row_invariant_kernels(tiny_model_dir: Path) -> None:
-    from specdec.attention import MAX_QUERY_ROWS
-    from specdec.backends import CpuTunedBackend
-    from specdec.runner import ModelRunner
-
-    loaded = CpuTunedBackend(torch.device("cpu"), torch.bfloat16).load(str(tiny_model_dir))
-    assert loaded.precision.endswith("rowwise attention")
-    assert loaded.row_invariant is True and loaded.decode_rows == MAX_QUERY_ROWS
-    assert ModelRunner(loaded.model)._row_invariant is loaded.row_invariant
-    stock = CpuTunedBackend(torch.device("cpu"), torch.float32, linear_kernel="torch",
-                            attention_kernel="sdpa").load(str(tiny_model_dir))
-    assert stock.row_invariant is False
