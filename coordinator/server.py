@@ -11,10 +11,10 @@ import grpc
 from coordinator.clients import ChannelPool
 from coordinator.endpoints import ReplicaEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
-from specdec.commands.serve import DEFAULT_PORTS
 from specdec.grpc_server import ServerHandle, build_server, check_health
 from specdec.model_service import model_info
 from specdec.models import load_tokenizer
+from specdec.settings import DEFAULT_PORTS
 from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)

@@ -42,6 +42,7 @@ from specdec.prompt_lookup import (
     PromptLookup,
 )
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.settings import default
 from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.observe import RequestObserver
 from specdec.telemetry.service import Telemetry
@@ -53,16 +54,16 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 @dataclass(frozen=True)
 class CoordinatorSettings:
-    num_draft_tokens: int = 4  # when a request has no `speculation`
+    num_draft_tokens: int = default("num-draft-tokens")  # when a request has no `speculation`
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # adaptive requests without their own
     num_alternatives: int = DEFAULT_ALTERNATIVES  # greedy requests without their own
     prompt_lookup_tokens: int = DEFAULT_LOOKUP_TOKENS  # requests without their own; 0 = off
     prompt_lookup_min: int = DEFAULT_MIN_NGRAM
     prompt_lookup_max: int = DEFAULT_MAX_NGRAM
-    max_draft_tokens: int = 16
-    max_new_tokens_limit: int = 2048
-    draft_timeout_s: float = 5.0  # per Propose; slower counts as unavailable
-    target_timeout_s: float = 30.0  # per Verify, retries included, within the deadline
+    max_draft_tokens: int = default("max-draft-tokens")
+    max_new_tokens_limit: int = default("max-new-tokens-limit")
+    draft_timeout_s: float = default("draft-timeout-ms") / 1000  # per Propose; slower: unavailable
+    target_timeout_s: float = default("target-timeout-s")  # per Verify, retries included
     draft_backoff_initial_s: float = 0.25
     draft_backoff_max_s: float = 5.0
 
@@ -73,7 +74,8 @@ class Cancelled(Exception):
     finish_reason = "cancelled"  # how metrics count the request
 
 
-def make_policy(num_draft_tokens: int, adaptive: bool, *, max_length: int = 8,
+def make_policy(num_draft_tokens: int, adaptive: bool, *,
+                max_length: int = default("max-adaptive-length"),
                 greedy: bool = True) -> policies.LengthPolicy:
     """FixedLength, or specdec.adaptive's policy for `adaptive` requests once it exists."""
     if adaptive and num_draft_tokens > 0:

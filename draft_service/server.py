@@ -10,8 +10,7 @@ from concurrent.futures import Executor
 import grpc
 
 from draft_service.servicer import DraftServicer
-from specdec.config import apply_torch_settings, draft_compile, draft_precision
-from specdec.draft_precision import load_draft
+from specdec.backends import select_backend
 from specdec.grpc_server import ServerHandle
 from specdec.model_service import model_info, serving_runner, start_model_server
 from specdec.telemetry.service import Telemetry
@@ -22,13 +21,11 @@ log = logging.getLogger(__name__)
 def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
            telemetry: Telemetry | None = None, executor: Executor | None = None) -> ServerHandle:
     """executor: where forwards run (`specdec serve`: the main thread, specdec.compute)."""
-    device, shared_dtype = apply_torch_settings(args)
-    dtype_setting, linear_kernel = draft_precision(args)
+    backend = select_backend(args)
+    backend.configure_process()
     # The draft maps its rows onto the target's vocabulary, so it needs its size.
     vocab = model_info(args.target_model).vocab_size
-    choice = load_draft(args.draft_model, device, dtype_setting, linear_kernel,
-                        shared_dtype=shared_dtype, attention_kernel=args.attention_kernel,
-                        target_vocab_size=vocab, compile_setting=draft_compile(args))
+    choice = backend.load_draft(args.draft_model, target_vocab_size=vocab)
     log.info("loaded %s: %s; precision %s", args.draft_model, choice.loaded.precision,
              choice.describe())
     runner = serving_runner(choice.loaded, target_vocab_size=vocab,

@@ -14,6 +14,7 @@ from specdec.grpc_status import rpc_errors
 from specdec.model_service import SessionTable
 from specdec.proto.specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
+from specdec.settings import default
 from specdec.steps import DraftOutput, draft_step
 from specdec.telemetry.service import Telemetry
 
@@ -21,8 +22,10 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
-                 max_draft_tokens: int = 64, telemetry: Telemetry | None = None,
+    def __init__(self, runner: ModelRunner, *,
+                 session_ttl_s: float = default("session-ttl-s"),
+                 max_draft_tokens: int = default("max-draft-tokens"),
+                 telemetry: Telemetry | None = None,
                  precision: str = "", executor: Executor | None = None) -> None:
         self.runner = runner
         self.precision = precision  # specdec.draft_precision.Choice.describe()

@@ -15,7 +15,7 @@ with the best ratio, every round, from running estimates of both:
   probes keep failing.
 - costs, shared by all sessions of a process (a property of the deployment, not of the
   text): wall time of Propose per k, of Verify per k and the remaining per-round time,
-  each an EMA, optionally seeded from a calibration (CostCurve). Until every k has
+  each an EMA, optionally seeded from a calibration (MeasuredCosts). Until every k has
   `min_samples` measurements the policy sweeps the unmeasured ones (a few rounds once per
   process); a k without data is costed by interpolation between measured neighbours.
 
@@ -28,14 +28,24 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from specdec.acceptance import ChainAcceptance
 from specdec.interfaces import Proposal, Verification
 from specdec.policy import FixedLength, LengthPolicy
+from specdec.settings import default
 
-if TYPE_CHECKING:
-    from specdec.bench.costs import CostCurve
+DEFAULT_MAX_DRAFT_TOKENS: int = default("max-draft-tokens")
+
+
+class MeasuredCosts(Protocol):
+    """A calibration of forward times (specdec.bench.costs.CostCurve is one)."""
+
+    draft_s: float  # one draft forward
+
+    def t_target(self, k: float) -> float:
+        """One target forward over k new tokens."""
+        ...
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -101,7 +111,8 @@ class CostModel:
         return successes / total if total >= min_evidence else None
 
     @classmethod
-    def from_curve(cls, curve: CostCurve, max_length: int = 16, weight: float = 0.5) -> CostModel:
+    def from_curve(cls, curve: MeasuredCosts, max_length: int = DEFAULT_MAX_DRAFT_TOKENS,
+                   weight: float = 0.5) -> CostModel:
         """Seed from a calibration; weight < 1 lets the first real sample replace it."""
         model = cls()
         for k in range(max_length + 1):
@@ -136,19 +147,19 @@ class CostModel:
 
 
 SHARED_COSTS = CostModel()  # the coordinator's: one per process
-DEFAULT_MAX_LENGTH = 8
+DEFAULT_MAX_LENGTH: int = default("max-adaptive-length")
 # Adaptive requests end a round's draft after a token the draft gives less than this
-# probability (SPECDEC_DRAFT_CONFIDENCE). transformers uses 0.4 for assisted generation;
-# with the default pair, greedy draft tokens under 0.4 agree with the target 13-36 % of
-# the time and tokens over 0.6 63-84 % (scripts/draft_confidence_calibration.py, 489
-# positions of 8 bench prompts), so drafting past an unsure one rarely pays.
-DEFAULT_DRAFT_CONFIDENCE = 0.4
+# probability (transformers uses the same for assisted generation): the target rarely
+# agrees with a token its draft was unsure of, so drafting past one rarely pays.
+DEFAULT_DRAFT_CONFIDENCE: float = default("draft-confidence")
+DEFAULT_INITIAL_LENGTH: int = default("num-draft-tokens")
 
 
 class AdaptiveLength:
     """LengthPolicy maximising E(k) / round_seconds(k) over k in [0, max_length]."""
 
-    def __init__(self, initial: int = 4, max_length: int = 8, *, costs: CostModel | None = None,
+    def __init__(self, initial: int = DEFAULT_INITIAL_LENGTH,
+                 max_length: int = DEFAULT_MAX_LENGTH, *, costs: CostModel | None = None,
                  prior_alpha: float = 0.6, prior_strength: float = 4.0, decay: float = 0.95,
                  shrink: float = 3.0, allow_zero: bool = True, min_samples: float = 2.0,
                  probe_every: int = 8, prior_key: str = "default",
@@ -281,7 +292,8 @@ class AdaptiveLength:
 class HeuristicLength:
     """transformers' num_assistant_tokens_schedule="heuristic": +2 if all accepted, else -1."""
 
-    def __init__(self, initial: int = 4, max_length: int = 16) -> None:
+    def __init__(self, initial: int = DEFAULT_INITIAL_LENGTH,
+                 max_length: int = DEFAULT_MAX_DRAFT_TOKENS) -> None:
         self.length = initial
         self.max_length = max_length
 
@@ -296,7 +308,7 @@ class HeuristicLength:
         self.length = max(1, min(self.max_length, self.length + step))
 
 
-def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = 8,
+def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAULT_MAX_LENGTH,
                   costs: CostModel | None = None, greedy: bool = True) -> LengthPolicy:
     """The policy a request asks for: adaptive (starting at num_draft_tokens) or fixed.
 
@@ -304,8 +316,8 @@ def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = 8,
     prior acceptance per kind of request (greedy or sampled accept differently).
     """
     if adaptive and num_draft_tokens > 0:
-        # Past ~8 tokens a CPU verify costs more than the extra acceptance brings, and every
-        # length allowed is swept once; a request asking more than 8 raises the cap.
+        # Past DEFAULT_MAX_LENGTH tokens a CPU verify costs more than the extra acceptance
+        # brings, and every length allowed is swept once; a request asking more raises it.
         longest = min(max_length, max(DEFAULT_MAX_LENGTH, num_draft_tokens))
         return AdaptiveLength(num_draft_tokens, max(1, longest),
                               costs=SHARED_COSTS if costs is None else costs,

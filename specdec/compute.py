@@ -1,16 +1,16 @@
 """The thread a served model's tensor work runs on: the process's main thread.
 
 libgomp, torch's OpenMP runtime on Linux, gives every thread that starts a parallel
-region a worker pool of its own. A `specdec serve draft` process starts one on its main
-thread while it loads the model; forwards on any other thread would start a second one.
-Once a process holds more OpenMP threads than CPUs, libgomp stops spinning at barriers
-(under the services' OMP_WAIT_POLICY=PASSIVE, not at all), so every parallel region of a
-forward would wake its worker through the kernel, which makes the draft's forward
-measurably slower (docs/performance.md). So `specdec serve` runs every forward on the
-main thread, the one that loaded the model. `specdec ray`'s replica actors, whose main thread
-runs Ray's task loop, load their model on a compute thread and run its forwards there
-(`on_own_compute_thread`). Servers started inside another program (tests, in-process
-stacks) keep SessionTable's own compute thread: their main thread is the caller's.
+region a worker pool of its own. A `specdec serve` process starts one on its main thread
+while it loads the model; forwards on another thread would start a second. Once a
+process holds more OpenMP threads than CPUs, libgomp stops spinning at barriers (under
+the services' OMP_WAIT_POLICY=PASSIVE, not at all), so every parallel region of a
+forward wakes its worker through the kernel, dozens of context switches per call. So
+`specdec serve` runs every forward on the main thread, the one that loaded the model.
+`specdec ray`'s replica actors, whose main thread runs Ray's task loop, load their model
+on a compute thread and run its forwards there (`on_own_compute_thread`). Servers
+started inside another program (tests, in-process stacks) keep SessionTable's own
+compute thread: their main thread is the caller's.
 """
 
 from __future__ import annotations

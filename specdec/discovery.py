@@ -28,10 +28,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from specdec.settings import default, env_name
+
 log = logging.getLogger(__name__)
 
-REFRESH_ENV = "SPECDEC_DISCOVERY_REFRESH_S"
-DEFAULT_REFRESH_S = 5.0
+REFRESH_ENV = env_name("discovery-refresh-s")
+DEFAULT_REFRESH_S: float = default("discovery-refresh-s")
 # A replica marked down stays out this long unless a health check or DNS change (a new
 # pod behind the name) clears it earlier; long enough not to flap on a restarting pod.
 DEFAULT_COOLDOWN_S = 30.0

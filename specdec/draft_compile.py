@@ -1,9 +1,9 @@
 """torch.compile for the draft's forward, kept only where it measures faster.
 
-On CPU most of a small draft's step is per-op overhead, not weight reads: in the
-embedded 2-layer draft the matrix products take well under half of a one-token step, and
-Python, module calls and dozens of small ops take the rest. Inductor fuses those ops into
-a few C++ kernels, which makes the step faster on the CPUs measured (docs/performance.md).
+On CPU most of a small draft's step is per-op overhead, not weight reads: matrix
+products take less than half of the committed 2-layer draft's one-token step; Python,
+module calls and a few dozen small ops take the rest. Inductor fuses those ops into a
+few C++ kernels, which makes the step faster where it is measured.
 
 Only the draft is compiled. Its kernels change how fast it proposes and which tokens it
 proposes, never the output law: the probabilities it reports come from the same logits
@@ -14,8 +14,8 @@ kernels are not checked for that.
 Compiling is lazy, so `compile_draft` runs a session's decode-sized extends (a catch-up,
 one-token steps at growing lengths) before the model serves; a session's first forward
 and rare long catch-ups stay eager (`decode_steps_compiled`), so nothing compiles while
-serving. The first start on a machine compiled for 54 s on 2 cores; inductor caches the
-result on disk (TORCHINDUCTOR_CACHE_DIR), and later starts took 12-16 s.
+serving. The first start on a machine compiles for a while; inductor caches the result
+on disk (TORCHINDUCTOR_CACHE_DIR), so later starts are faster.
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ import torch
 from specdec.attention import MAX_QUERY_ROWS
 from specdec.kernels import OneDnnLinear
 from specdec.runner import ModelRunner
+from specdec.settings import COMPILE_CHOICES
 from specdec.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 
 log = logging.getLogger(__name__)
 
-AUTO, ON, OFF = "auto", "on", "off"
-SETTINGS = (AUTO, ON, OFF)
+SETTINGS = COMPILE_CHOICES
+AUTO, ON, OFF = COMPILE_CHOICES
 WARM_PROMPT_TOKENS = 24
 # Extends of a live session, in tokens: a catch-up, one-token steps, another catch-up.
 # A graph's second call, at another cache length, is what makes that length dynamic.
 WARM_EXTENDS = (3, 1, 1, 2, 1, 1)
-# Measured twice (the target in bfloat16, and a draft whose precision choice picked
-# bfloat16/onednn): the warm-up fails after ~10 s with a 30-line LoweringException.
+# The warm-up of a model with the onednn linear kernel fails with a LoweringException.
 ONEDNN_REASON = ("inductor does not lower the onednn linear kernel's prepacked weights "
                  "(mkldnn._linear_pointwise)")
 
@@ -59,7 +59,7 @@ class CompileOutcome:
 
 
 def should_try(setting: str, device: torch.device) -> bool:
-    """auto compiles on CPU only, the one device where compiling has been measured."""
+    """auto compiles on CPU only, the one device where compiling is measured to pay."""
     if setting not in SETTINGS:
         raise ValueError(f"draft compile setting must be one of {SETTINGS}, got {setting!r}")
     return setting == ON or (setting == AUTO and device.type == "cpu")
@@ -67,7 +67,7 @@ def should_try(setting: str, device: torch.device) -> bool:
 
 def warm_up(runner: ModelRunner) -> None:
     """Run the extends decoding runs compiled, in a scratch session: their graphs
-    compile now, not while serving."""
+    compile at load, not while serving."""
     session = f"compile-warm-up-{time.monotonic_ns()}"
     tokens = random_tokens(runner.vocab.target_vocab_size,
                            WARM_PROMPT_TOKENS + sum(WARM_EXTENDS))
@@ -89,7 +89,7 @@ def decode_steps_compiled(eager: Callable[..., Any], compiled: Callable[..., Any
     for the rest, with the cache in one memory layout.
 
     Compiled code guards on its inputs' shapes and strides, and a graph compiled while
-    serving stalls a round for seconds (8.5-14 s here). Three things made new graphs:
+    serving stalls a round for seconds. Three things make new graphs:
     - a session's first forward (no cache yet) is its own graph, again for 1, 2-16 and
       over 16 tokens; it runs once per request, so it stays eager, and so does the next
       one after a one-token prompt (dynamo specializes a cache length of 1);
@@ -97,10 +97,9 @@ def decode_steps_compiled(eager: Callable[..., Any], compiled: Callable[..., Any
       that verified prompt-lookup hits without the draft); rare, so eager too;
     - a crop (the rollback after a rejection) leaves a slice with the strides of the
       longer tensor, and a first forward stores keys in the layout attention made them
-      in: each layout was a graph (8 over 3 prompts of decoding, dynamo's limit). The
-      cache is copied to the canonical contiguous layout first (the draft's cache is
-      small: 2 layers here).
-    What is left are the graphs of one-token steps and of 2-16-token extends (3 here)."""
+      in: each layout is a graph, up to dynamo's limit. The cache is copied to the
+      canonical contiguous layout first (the draft's cache is small).
+    What is left are the graphs of one-token steps and of 2-16-token extends."""
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any) -> Any:
         layers = getattr(kwargs.get("cache"), "layers", None)

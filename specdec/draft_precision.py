@@ -2,12 +2,12 @@
 
 The draft's precision changes only its speed and how often the target accepts its
 tokens, never the output (exactness is defined against the target as served), so it can
-follow the hardware. The fastest of bfloat16 with oneDNN and float32 with torch's or the
-skinny kernel differs between CPUs (docs/performance.md). No one fixed choice is fastest
-everywhere, so `--draft-dtype auto` times each candidate's
-one-token step, interleaved, and keeps the fastest. Off the CPU it keeps --dtype. It
-measures as the draft loads: beside other processes starting on the same cores the
-choice can be off (it only costs speed); set a dtype to pin it.
+follow the hardware. Which of bfloat16/onednn, float32/torch and float32/skinny steps
+fastest differs between CPUs (with and without AMX, for instance), so
+`--draft-dtype auto` times each candidate's one-token step, interleaved, and keeps the
+fastest. Off the CPU it keeps --dtype. It measures as the draft loads: beside other
+processes starting on the same cores the choice can be off (it only costs speed); set a
+dtype to pin it. The cpu-tuned backend (specdec.backends) calls it.
 """
 
 from __future__ import annotations

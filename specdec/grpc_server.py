@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.compute import MainThreadExecutor
+from specdec.settings import default
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class ServerHandle:
 
 
 def build_server(services: Sequence[Service], *, host: str = "127.0.0.1", port: int = 0,
-                 max_workers: int = 16,
+                 max_workers: int = default("max-workers"),
                  interceptors: Sequence[grpc.ServerInterceptor] = (),
                  options: Sequence[tuple[str, object]] = ()) -> ServerHandle:
     """Create, bind and start a server; port 0 picks a free port (see handle.address)."""

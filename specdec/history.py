@@ -8,6 +8,7 @@ replica) detects it in O(1) and asks to be re-synced instead of silently divergi
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -89,3 +90,18 @@ class HiddenStateLog:
         if start == 0:
             rows = [torch.zeros_like(self._rows[0]), *rows]
         return torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class SyncPoint:
+    """What the caller believes the service holds, and the committed tokens it lacks."""
+
+    session_id: str
+    committed_position: int
+    fingerprint: int
+    append: list[int]
+
+    @property
+    def next_position(self) -> int:
+        """Absolute position of the first token generated after this sync."""
+        return self.committed_position + len(self.append)

@@ -12,11 +12,10 @@ from typing import Protocol
 
 import torch
 
-from specdec.history import TokenHistory
+from specdec.history import SyncPoint, TokenHistory
 from specdec.rejection import NO_ALTERNATIVES, Alternatives
 from specdec.sampling import SamplingParams
 from specdec.stats import DRAFT_MODEL
-from specdec.steps import SyncPoint
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class Proposal:
 @dataclass(frozen=True)
 class Verification:
     accepted_len: int  # leading draft tokens of the chain kept
-    next_token: int
+    next_token: int  # the target's own: recovered at a rejection, else the bonus token
     elapsed_s: float
     forward_s: float = 0.0
     resyncs: int = 0
@@ -75,7 +74,7 @@ class Drafter(Protocol):
                 num_alternatives: int = 0) -> Proposal:
         """Up to num_tokens tokens: fewer only when min_confidence stops the draft.
         num_alternatives (greedy): also up to that many of the draft's next-best tokens,
-        in Proposal.alternatives (steps.draft_step picks them)."""
+        in Proposal.alternatives."""
         ...
 
     def release(self, session_id: str) -> None: ...

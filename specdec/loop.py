@@ -16,11 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.history import HiddenStateLog, TokenHistory
-from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verifier
+from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verification, Verifier
 from specdec.policy import CostedPolicy, DraftBackoff, FixedLength, LengthPolicy
 from specdec.prompt_lookup import LookupEvidence, PromptLookup
 from specdec.rejection import NO_ALTERNATIVES
 from specdec.sampling import SamplingParams
+from specdec.settings import default
 from specdec.stats import GenerationStats
 
 
@@ -28,7 +29,7 @@ from specdec.stats import GenerationStats
 class GenerateConfig:
     max_new_tokens: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_draft_tokens: int = 4  # 0 = target only
+    num_draft_tokens: int = default("num-draft-tokens")  # 0 = target only
     # Stop a proposal after a token the draft gives less than this probability (0 = off).
     draft_confidence: float = 0.0
     # Greedy: this many of the draft's next-best tokens verified beside its chain (0 = off).
@@ -115,110 +116,195 @@ def _lookup_to_use(found: Proposal, evidence: LookupEvidence, policy: LengthPoli
                                probs=found.probs[:keep] if found.probs is not None else None)
 
 
+@dataclass
+class _Generation:
+    """The state of one generate call; each method is one job of a round."""
+
+    drafter: Drafter | None
+    verifier: Verifier
+    config: GenerateConfig
+    policy: LengthPolicy
+    backoff: DraftBackoff
+    stopper: StopChecker
+    params: SamplingParams
+    session_id: str
+    committed: TokenHistory
+    prompt_len: int
+    num_alternatives: int
+    lookup_evidence: LookupEvidence | None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    started: float = field(default_factory=time.perf_counter)
+    finish_reason: str = "length"
+    stop_text: str | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - (len(self.committed) - self.prompt_len)
+
+    def draft_length(self) -> int:
+        """Tokens to ask of the draft model this round (0: none). A round emits the
+        accepted tokens plus one, so drafting past remaining - 1 is waste."""
+        asked = min(self.policy.next_length(), self.remaining - 1)
+        if self.drafter is None or not _draft_inputs_ready(self.committed):
+            return 0
+        return asked
+
+    def look_up(self, asked: int) -> tuple[Proposal | None, Proposal | None]:
+        """(the lookup's hit, the part of it to verify instead of drafting; None: draft)."""
+        lookup = self.config.prompt_lookup
+        if lookup is None or self.lookup_evidence is None or self.remaining <= 1:
+            return None, None
+        found = lookup.propose(self.committed, self.remaining - 1, self.params)
+        if found is None:
+            return None, None
+        return found, _lookup_to_use(found, self.lookup_evidence, self.policy, asked)
+
+    def draft(self, asked: int) -> Proposal | None:
+        """The draft model's proposal, or None: nothing asked, or the draft is backing off
+        or unavailable (the round goes target-only, still exact)."""
+        if asked == 0:
+            return None
+        if not self.backoff.ready():
+            self.stats.degraded = True
+            return None
+        try:
+            proposal = self.drafter.propose(  # type: ignore[union-attr]
+                self.session_id, self.committed, asked, self.params,
+                self.config.draft_confidence, self.num_alternatives)
+        except DraftUnavailable:
+            self.backoff.failed()
+            self.stats.degraded = True
+            return None
+        self.backoff.succeeded()
+        return proposal
+
+    def verify(self, proposal: Proposal | None) -> Verification:
+        draft_tokens = proposal.tokens if proposal else []
+        verification = self.verifier.verify(
+            self.session_id, self.committed, draft_tokens, proposal.probs if proposal else None,
+            self.params, proposal.alternatives if proposal else NO_ALTERNATIVES)
+        if self.committed.target_hidden is not None and verification.hidden is not None:
+            self.committed.target_hidden.record(verification.hidden_position,
+                                                verification.hidden)
+        return verification
+
+    def commit(self, emitted: list[int]) -> list[int]:
+        """Append the round's tokens up to and including an EOS; returns those appended."""
+        for cut, token in enumerate(emitted):
+            if token in self.config.eos_token_ids:
+                emitted, self.finish_reason = emitted[: cut + 1], "eos"
+                break
+        self.committed.extend(emitted)
+        return emitted
+
+    def record(self, proposal: Proposal | None, verification: Verification) -> None:
+        """The round's counts and times into the request's stats."""
+        self.stats.record_round(len(proposal.tokens) if proposal else 0,
+                                verification.accepted_tokens,
+                                len(proposal.alternatives) if proposal else 0,
+                                verification.alternative_token is not None,
+                                proposal.source if proposal else "")
+        if proposal:
+            self.stats.draft_s += proposal.elapsed_s
+            self.stats.draft_forward_s += proposal.forward_s
+            self.stats.resyncs += proposal.resyncs
+            self.stats.wire_bytes += proposal.wire_bytes
+        self.stats.verify_s += verification.elapsed_s
+        self.stats.verify_forward_s += verification.forward_s
+        self.stats.resyncs += verification.resyncs
+        self.stats.wire_bytes += verification.wire_bytes
+        if self.stats.rounds == 1:
+            self.stats.first_token_s = time.perf_counter() - self.started
+
+    def cut_at_stop_string(self, emitted: list[int], position_before: int) -> list[int]:
+        """Truncate the output at a stop string that appeared; returns what of this
+        round's tokens stays."""
+        hit = self.stopper.find(self.committed.tokens[self.prompt_len:])
+        if hit is None:
+            return emitted
+        keep, self.stop_text = hit
+        self.committed.truncate(self.prompt_len + keep)
+        self.finish_reason = "stop"
+        return emitted[: max(0, len(self.committed) - position_before)]
+
+    def release(self) -> None:
+        for service in (self.drafter, self.verifier):
+            if service is not None:
+                # Best effort: a service that is down has lost the cache anyway, and the
+                # services also drop idle sessions after a TTL.
+                with contextlib.suppress(Exception):
+                    service.release(self.session_id)
+
+    def result(self, decode: Callable[[list[int]], str] | None) -> GenerationResult:
+        output = self.committed.tokens[self.prompt_len:][: self.config.max_new_tokens]
+        self.stats.total_s = time.perf_counter() - self.started
+        text = self.stop_text if self.stop_text is not None else (
+            decode(output) if decode else None)
+        return GenerationResult(output, self.finish_reason, self.stats, text)
+
+
 def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int],
              config: GenerateConfig, *, policy: LengthPolicy | None = None,
              decode: Callable[[list[int]], str] | None = None,
              on_round: Callable[[RoundEvent], None] | None = None,
              backoff: DraftBackoff | None = None) -> GenerationResult:
+    """Speculative decoding of prompt_ids until max_new_tokens, an EOS or a stop string.
+
+    Each round proposes tokens (a prompt-lookup hit, else the draft model, else none),
+    verifies them in one target pass, and commits the accepted tokens plus one of the
+    target's: the recovered token at the first rejection, or the bonus token after a
+    fully accepted proposal.
+    """
+    gen = _start(drafter, verifier, prompt_ids, config, policy, backoff, decode)
+    try:
+        while gen.remaining > 0:
+            asked = gen.draft_length()
+            found, proposal = gen.look_up(asked)
+            looked_up = proposal is not None  # the draft model sits this round out
+            if not looked_up:
+                proposal = gen.draft(asked)
+            verification = gen.verify(proposal)
+            draft_tokens = proposal.tokens if proposal else []
+            position_before = len(gen.committed)
+            emitted = gen.commit(verification.emitted(draft_tokens))
+            if found is not None and gen.lookup_evidence is not None:
+                gen.lookup_evidence.observe(found.tokens, emitted)
+            gen.record(proposal, verification)
+            if not looked_up:  # the policy's evidence and costs are the draft model's
+                gen.policy.observe(asked if proposal else 0, verification.accepted_tokens,
+                                   proposal, verification)
+            emitted = gen.cut_at_stop_string(emitted, position_before)
+            if on_round is not None:
+                bonus = bool(draft_tokens) and verification.accepted_len == len(draft_tokens)
+                on_round(RoundEvent(
+                    gen.stats.rounds - 1, position_before, len(gen.committed),
+                    0 if looked_up else asked, proposal, verification.accepted_tokens,
+                    emitted, bonus, verification.elapsed_s, verification.forward_s,
+                    verification.resyncs + (proposal.resyncs if proposal else 0),
+                    proposal is None and asked > 0, verification.alternative_token))
+            if gen.finish_reason != "length":
+                break
+    finally:
+        gen.release()
+    return gen.result(decode)
+
+
+def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int],
+           config: GenerateConfig, policy: LengthPolicy | None, backoff: DraftBackoff | None,
+           decode: Callable[[list[int]], str] | None) -> _Generation:
     params = config.sampling.with_seed()
-    session_id = config.session_id or uuid.uuid4().hex
-    policy = policy or FixedLength(config.num_draft_tokens)
-    backoff = backoff or DraftBackoff()
-    stopper = StopChecker(config.stop, decode)
-    num_alternatives = config.num_alternatives if params.greedy else 0
     committed = TokenHistory(prompt_ids)
     if drafter is not None and getattr(drafter, "needs_target_hidden", False):
         committed.target_hidden = HiddenStateLog()
-    prompt_len = len(committed)
-    lookup_evidence = (LookupEvidence(config.prompt_lookup.max_tokens)
-                       if config.prompt_lookup is not None else None)
-    stats = GenerationStats()
-    started = time.perf_counter()
-    finish_reason = "length"
-    stop_text: str | None = None
-    try:
-        while len(committed) - prompt_len < config.max_new_tokens:
-            remaining = config.max_new_tokens - (len(committed) - prompt_len)
-            # A round emits accepted_len + 1 tokens, so drafting past remaining - 1 is waste.
-            asked = min(policy.next_length(), remaining - 1)
-            if drafter is None or not _draft_inputs_ready(committed):
-                asked = 0
-            proposal = found = None
-            if config.prompt_lookup is not None and remaining > 1:
-                found = config.prompt_lookup.propose(committed, remaining - 1, params)
-            if found is not None and lookup_evidence is not None:
-                proposal = _lookup_to_use(found, lookup_evidence, policy, asked)
-            looked_up = proposal is not None
-            if looked_up:
-                pass  # the draft model sits this round out; its cache catches up next time
-            elif asked > 0 and backoff.ready():
-                try:
-                    proposal = drafter.propose(session_id, committed, asked, params,  # type: ignore[union-attr]
-                                               config.draft_confidence, num_alternatives)
-                    backoff.succeeded()
-                except DraftUnavailable:
-                    backoff.failed()
-                    stats.degraded = True
-            elif asked > 0:
-                stats.degraded = True
-            draft_tokens = proposal.tokens if proposal else []
-            verification = verifier.verify(
-                session_id, committed, draft_tokens, proposal.probs if proposal else None,
-                params, proposal.alternatives if proposal else NO_ALTERNATIVES)
-            if committed.target_hidden is not None and verification.hidden is not None:
-                committed.target_hidden.record(verification.hidden_position, verification.hidden)
-            emitted = verification.emitted(draft_tokens)
-            accepted = verification.accepted_tokens
-            position_before = len(committed)
-            for cut, token in enumerate(emitted):
-                if token in config.eos_token_ids:
-                    emitted, finish_reason = emitted[: cut + 1], "eos"
-                    break
-            committed.extend(emitted)
-            if found is not None and lookup_evidence is not None:
-                lookup_evidence.observe(found.tokens, emitted)
-            stats.record_round(len(draft_tokens), accepted,
-                               len(proposal.alternatives) if proposal else 0,
-                               verification.alternative_token is not None,
-                               proposal.source if proposal else "")
-            if not looked_up:  # the policy's evidence and costs are the draft model's
-                policy.observe(asked if proposal else 0, accepted, proposal, verification)
-            if proposal:
-                stats.draft_s += proposal.elapsed_s
-                stats.draft_forward_s += proposal.forward_s
-                stats.resyncs += proposal.resyncs
-                stats.wire_bytes += proposal.wire_bytes
-            stats.verify_s += verification.elapsed_s
-            stats.verify_forward_s += verification.forward_s
-            stats.resyncs += verification.resyncs
-            stats.wire_bytes += verification.wire_bytes
-            if stats.rounds == 1:
-                stats.first_token_s = time.perf_counter() - started
-            hit = stopper.find(committed.tokens[prompt_len:])
-            if hit is not None:
-                keep, stop_text = hit
-                committed.truncate(prompt_len + keep)
-                emitted = emitted[: max(0, len(committed) - position_before)]
-                finish_reason = "stop"
-            if on_round is not None:
-                on_round(RoundEvent(
-                    stats.rounds - 1, position_before, len(committed),
-                    0 if looked_up else asked, proposal,
-                    accepted, emitted,
-                    bool(draft_tokens) and verification.accepted_len == len(draft_tokens),
-                    verification.elapsed_s, verification.forward_s,
-                    verification.resyncs + (proposal.resyncs if proposal else 0),
-                    proposal is None and asked > 0, verification.alternative_token))
-            if finish_reason != "length":
-                break
-        output = committed.tokens[prompt_len:][: config.max_new_tokens]
-    finally:
-        for service in (drafter, verifier):
-            if service is not None:
-                # Best effort: a service that is down has lost the cache anyway, and the
-                # services also drop idle sessions after a TTL.
-                with contextlib.suppress(Exception):
-                    service.release(session_id)
-    stats.total_s = time.perf_counter() - started
-    text = stop_text if stop_text is not None else (decode(output) if decode else None)
-    return GenerationResult(output, finish_reason, stats, text)
+    return _Generation(
+        drafter, verifier, config,
+        policy=policy or FixedLength(config.num_draft_tokens),
+        backoff=backoff or DraftBackoff(),
+        stopper=StopChecker(config.stop, decode),
+        params=params,
+        session_id=config.session_id or uuid.uuid4().hex,
+        committed=committed,
+        prompt_len=len(committed),
+        num_alternatives=config.num_alternatives if params.greedy else 0,
+        lookup_evidence=(LookupEvidence(config.prompt_lookup.max_tokens)
+                         if config.prompt_lookup is not None else None))

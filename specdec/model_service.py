@@ -33,6 +33,7 @@ import torch
 from specdec.grpc_server import ServerHandle, Service, build_server
 from specdec.models import LoadedModel, load_causal_lm, resolve
 from specdec.runner import ModelRunner
+from specdec.settings import default
 
 if TYPE_CHECKING:
     from specdec.telemetry.service import Telemetry
@@ -42,7 +43,7 @@ T = TypeVar("T")
 
 
 class SessionTable:
-    def __init__(self, runner: ModelRunner, ttl_s: float = 600.0,
+    def __init__(self, runner: ModelRunner, ttl_s: float = default("session-ttl-s"),
                  clock: Callable[[], float] = time.monotonic,
                  executor: Executor | None = None) -> None:
         """executor: where model work runs (`specdec serve` passes its main thread's);

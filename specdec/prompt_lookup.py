@@ -27,16 +27,16 @@ from specdec.acceptance import ChainAcceptance
 from specdec.history import TokenHistory
 from specdec.interfaces import Proposal
 from specdec.sampling import SamplingParams
+from specdec.settings import default
 from specdec.stats import PROMPT_LOOKUP
 
-# SPECDEC_PROMPT_LOOKUP_TOKENS: most tokens one lookup proposes (0 = off). A hit's tokens
-# cost one target row each (~1 ms in bfloat16 here) and no draft time.
-DEFAULT_LOOKUP_TOKENS = 6
-# SPECDEC_PROMPT_LOOKUP_MIN / _MAX: the n-gram lengths matched, longest first. A 1-gram
-# matches at over half of all positions but its next token is right only 38 % of the
-# time, no better than the draft model's.
-DEFAULT_MIN_NGRAM = 2
-DEFAULT_MAX_NGRAM = 4
+# Most tokens one lookup proposes (0 = off): a hit's tokens cost one target row each and
+# no draft time.
+DEFAULT_LOOKUP_TOKENS: int = default("prompt-lookup-tokens")
+# The n-gram lengths matched, longest first. A 1-gram matches at most positions but its
+# next token is right no more often than the draft model's, so matching starts at 2.
+DEFAULT_MIN_NGRAM: int = default("prompt-lookup-min")
+DEFAULT_MAX_NGRAM: int = default("prompt-lookup-max")
 
 
 def find_continuation(tokens: Sequence[int], max_tokens: int, min_ngram: int = DEFAULT_MIN_NGRAM,

@@ -39,7 +39,7 @@ NO_ALTERNATIVES = Alternatives()
 @dataclass(frozen=True)
 class Verdict:
     accepted_len: int  # leading draft tokens of the chain kept
-    next_token: int  # correction at the first rejection, or the bonus after what was kept
+    next_token: int  # the recovered token at the first rejection, or the bonus token
     # Index into the Alternatives of the one the target chose at the first rejected depth
     # (it is kept after the chain's accepted_len tokens, then next_token); -1 = none.
     alternative: int = -1

@@ -18,24 +18,11 @@ import torch
 
 from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
+from specdec.history import SyncPoint  # noqa: F401  (re-exported for the services)
 from specdec.rejection import NO_ALTERNATIVES, Alternatives, Verdict, verify
 from specdec.runner import ModelRunner
 from specdec.sampling import Purpose, SamplingParams, draw, process_logits
-
-
-@dataclass(frozen=True)
-class SyncPoint:
-    """What the caller believes the service holds, and the committed tokens it lacks."""
-
-    session_id: str
-    committed_position: int
-    fingerprint: int
-    append: list[int]
-
-    @property
-    def next_position(self) -> int:
-        """Absolute position of the first token generated after this sync."""
-        return self.committed_position + len(self.append)
+from specdec.settings import default
 
 
 @dataclass(frozen=True)
@@ -47,10 +34,8 @@ class DraftOutput:
     alternatives: Alternatives = NO_ALTERNATIVES
 
 
-# Alternatives per greedy round by default (SPECDEC_DRAFT_ALTERNATIVES): each is one more
-# row of the target's forward (1-3 ms in bfloat16 on 2 cores, against ~45 ms per round);
-# 2 was the fastest of 0, 1, 2 and 4 in one run (docs/performance.md).
-DEFAULT_ALTERNATIVES = 2
+# Alternatives per greedy round by default: each is one more row of the target's forward.
+DEFAULT_ALTERNATIVES: int = default("draft-alternatives")
 
 
 def alternatives_budget(num_draft_tokens: int, append_tokens: int = 2) -> int:

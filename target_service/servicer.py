@@ -15,6 +15,7 @@ from specdec.grpc_status import rpc_errors
 from specdec.model_service import SessionTable
 from specdec.proto.specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.runner import ModelRunner
+from specdec.settings import default
 from specdec.steps import VerifyOutput, verify_step
 from specdec.telemetry import names
 from specdec.telemetry.service import Telemetry
@@ -23,8 +24,10 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, runner: ModelRunner, *, session_ttl_s: float = 600.0,
-                 max_draft_tokens: int = 64, telemetry: Telemetry | None = None,
+    def __init__(self, runner: ModelRunner, *,
+                 session_ttl_s: float = default("session-ttl-s"),
+                 max_draft_tokens: int = default("max-draft-tokens"),
+                 telemetry: Telemetry | None = None,
                  executor: Executor | None = None) -> None:
         self.runner = runner
         self.telemetry = telemetry or Telemetry("target")

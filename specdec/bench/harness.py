@@ -43,6 +43,7 @@ from specdec.kernels import resolve_kernel
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.models import DEFAULT_DRAFT, parse_dtype
 from specdec.runner import ModelRunner
+from specdec.settings import default
 
 WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
 
@@ -78,7 +79,7 @@ class BenchSettings:
     sampled_per_category: int | None = None
     repeats: int = 2
     max_new_tokens: int = 96
-    max_length: int = 8  # adaptive's longest draft
+    max_length: int = default("max-adaptive-length")  # adaptive's longest draft
     calibration_repeats: int = 7
     compare_dtypes: tuple[str, ...] = ()
     warmup_tokens: int = 40
@@ -210,7 +211,7 @@ class ProcessStack:
                 "--draft-dtype", settings.draft_dtype,
                 "--draft-linear-kernel", settings.draft_linear_kernel,
                 "--draft-compile", settings.draft_compile,
-                "--max-draft-tokens", str(max(16, settings.max_length))]
+                "--max-draft-tokens", str(max(default("max-draft-tokens"), settings.max_length))]
         self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         self.startup_timeout_s = settings.startup_timeout_s
         self.stack = start_stack("127.0.0.1", {}, args, log_dir=self.log_dir,

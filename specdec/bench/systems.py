@@ -11,9 +11,11 @@ from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, GenerationResult, generate
 from specdec.policy import FixedLength, LengthPolicy
 from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS, PromptLookup
+from specdec.settings import default
 from specdec.steps import DEFAULT_ALTERNATIVES
 
-ADAPTIVE_START = 4  # the first round's length when nothing is known yet (the server default)
+# The first round's length when nothing is known yet (the server default).
+ADAPTIVE_START: int = default("num-draft-tokens")
 
 
 def local_policy(config: BenchConfig, costs: CostModel, greedy: bool,

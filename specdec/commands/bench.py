@@ -12,14 +12,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.config import (
-    add_draft_precision_settings,
-    add_kernel_settings,
-    add_setting,
-    env_name,
-)
-from specdec.draft_compile import AUTO as COMPILE_AUTO
-from specdec.draft_compile import OFF as COMPILE_OFF
+from specdec.config import add_setting, env_name
+from specdec.settings import add_settings, default
+
+COMPILE_AUTO, COMPILE_OFF = "auto", "off"
 
 if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI parses
     from specdec.bench.harness import BenchResult
@@ -40,17 +36,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     parser = subparsers.add_parser(
         "bench", help="benchmark target-only, transformers and specdec side by side")
-    add_setting(parser, "--target-model", "smollm2-135m-instruct", "target model")
-    add_setting(parser, "--draft-model", "specdec-draft", "draft model")
+    add_setting(parser, "--target-model", default("target-model"), "target model")
+    add_setting(parser, "--draft-model", default("draft-model"), "draft model")
     add_setting(parser, "--assistant-model", "",
                 "token-only draft for transformers' assisted generation (default: the draft "
                 "model, or specdec-draft when the draft model is a feature draft)")
-    add_setting(parser, "--dtype", "bfloat16",
+    add_setting(parser, "--dtype", default("dtype"),
                 "dtype of every system: bfloat16, float32 (the draft's: see --draft-dtype)")
-    add_setting(parser, "--torch-threads", 0, "torch intra-op threads (0 = torch default)",
-                type=int)
-    add_kernel_settings(parser)
-    add_draft_precision_settings(parser)
+    add_settings(parser, ["backend", "torch-threads", "linear-kernel", "attention-kernel",
+                          "draft-dtype", "draft-linear-kernel", "draft-compile"])
     # None = not set by flag or environment, so that --quick can turn the compile off.
     parser.set_defaults(draft_compile=os.environ.get(env_name("--draft-compile")) or None)
     parser.add_argument("--grpc-torch-threads", type=int, default=0,
@@ -80,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="passes over the prompts "
                         "(default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default 96")
-    parser.add_argument("--max-adaptive-length", type=int, default=8,
+    parser.add_argument("--max-adaptive-length", type=int, default=default("max-adaptive-length"),
                         help="longest draft the adaptive policy may choose")
     parser.add_argument("--compare-dtypes", default="",
                         help="also measure cost curves in these formats, e.g. "

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from specdec.config import add_setting
+from specdec.settings import default
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +58,8 @@ def build_request(prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
         request.sampling.seed = seed
     if num_draft_tokens is not None or adaptive or draft_confidence is not None \
             or num_alternatives is not None or prompt_lookup_tokens is not None:
-        request.speculation.num_draft_tokens = 4 if num_draft_tokens is None else num_draft_tokens
+        request.speculation.num_draft_tokens = (
+            default("num-draft-tokens") if num_draft_tokens is None else num_draft_tokens)
         request.speculation.adaptive = adaptive
     if draft_confidence is not None:
         request.speculation.draft_confidence = draft_confidence

@@ -9,17 +9,11 @@ from pathlib import Path
 
 from specdec.commands.serve import DEFAULT_PORTS, add_service_settings
 from specdec.config import add_setting
+from specdec.settings import SERVICE_SETTINGS
 from specdec.stack import Stack, start_stack
 
 # Flags of `up` that are forwarded unchanged to each `specdec serve`.
-FORWARDED = ("target_model", "draft_model", "device", "dtype", "torch_threads",
-             "linear_kernel", "attention_kernel", "draft_dtype", "draft_linear_kernel",
-             "draft_compile",
-             "kv_budget_mb", "session_ttl_s", "max_workers",
-             "max_draft_tokens", "num_draft_tokens", "draft_confidence", "draft_alternatives",
-             "prompt_lookup_tokens", "prompt_lookup_min", "prompt_lookup_max",
-             "max_new_tokens_limit",
-             "draft_timeout_ms", "target_timeout_s", "grace_s")
+FORWARDED = tuple(name.replace("-", "_") for name in SERVICE_SETTINGS)
 
 
 def add_stack_settings(parser: argparse.ArgumentParser, default_ports: bool = True) -> None:

@@ -37,7 +37,6 @@ from specdec.stats import PROMPT_LOOKUP
 if TYPE_CHECKING:  # the loop pulls in torch; `specdec traces` should not need it
     from specdec.loop import GenerationResult, RoundEvent
 
-DEFAULT_METRICS_PORTS = {"coordinator": 9464, "draft": 9465, "target": 9466}
 
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)

@@ -13,40 +13,19 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from specdec.telemetry.metrics import DEFAULT_METRICS_PORTS
+from specdec.settings import DEFAULT_METRICS_PORTS, TELEMETRY_SETTINGS, add_settings, default
 
-DEFAULT_TRACE_DIR = "traces"
-
-
-def add_setting(parser: argparse.ArgumentParser, flag: str, default: object, help: str,
-                type: type = str) -> None:
-    # Same rule as specdec.config.add_setting; imported lazily there would pull in torch.
-    env = "SPECDEC_" + flag.lstrip("-").replace("-", "_").upper()
-    raw = os.environ.get(env)
-    value = type(raw) if raw not in (None, "") else default
-    parser.add_argument(flag, default=value, type=type,
-                        help=f"{help} (env {env}; default: {default})")
+DEFAULT_TRACE_DIR: str = default("trace-dir")
 
 
 def add_trace_dir_setting(parser: argparse.ArgumentParser) -> None:
-    add_setting(parser, "--trace-dir", DEFAULT_TRACE_DIR,
-                "directory of the OTLP/JSON-lines trace files, one per service")
+    add_settings(parser, ["trace-dir"])
 
 
 def add_telemetry_settings(parser: argparse.ArgumentParser) -> None:
-    add_setting(parser, "--tracing", "on", "OpenTelemetry tracing: on or off")
-    add_trace_dir_setting(parser)
-    add_setting(parser, "--trace-file", "",
-                "trace file (OTLP/JSON lines); 'none' writes no file, empty means "
-                "<trace-dir>/<role>.jsonl")
-    add_setting(parser, "--trace-tokens", "off", "record token ids on spans: on or off")
-    ports = ", ".join(f"{port} {role}" for role, port in DEFAULT_METRICS_PORTS.items())
-    add_setting(parser, "--metrics-port", None,
-                f"Prometheus /metrics port (-1: off, 0: any free port; unset: {ports})",
-                type=int)
+    add_settings(parser, TELEMETRY_SETTINGS)
 
 
 def metrics_port_for(args: argparse.Namespace, role: str) -> int:

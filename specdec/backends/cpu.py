@@ -1,0 +1,67 @@
+"""The cpu-tuned backend: row-invariant kernels, the draft's precision and compile
+measured at load, and the OpenMP thread count.
+
+On a CPU the target in bfloat16 runs its linear layers with oneDNN and its attention
+row by row (specdec.kernels, specdec.attention): a verified row then computes exactly
+what a one-row decode would, which greedy equality with the target's own decoding rests
+on. The draft's precision and compilation change only its speed and acceptance, never
+the output, so they follow the hardware (specdec.draft_precision, specdec.draft_compile).
+Off the CPU every "auto" resolves to transformers' stock kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.backends.base import Backend, DraftChoice
+from specdec.models import LoadedModel, load_pretrained, row_invariance_caveat
+
+
+class CpuTunedBackend(Backend):
+    name = "cpu-tuned"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, *,
+                 linear_kernel: str = "auto", attention_kernel: str = "auto",
+                 draft_dtype: str = "auto", draft_linear_kernel: str = "",
+                 draft_compile: str = "auto", torch_threads: int = 0) -> None:
+        super().__init__(device, dtype)
+        self.linear_kernel = linear_kernel
+        self.attention_kernel = attention_kernel
+        self.draft_dtype = draft_dtype
+        self.draft_linear_kernel = draft_linear_kernel or linear_kernel
+        self.draft_compile = draft_compile
+        self.torch_threads = torch_threads
+
+    def configure_process(self) -> None:
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+
+    def load(self, name_or_path: str, *, progress: bool = False) -> LoadedModel:
+        from specdec.attention import MAX_QUERY_ROWS, apply_attention_kernel
+        from specdec.kernels import apply_linear_kernel
+
+        loaded = load_pretrained(name_or_path, self.device, self.dtype, progress)
+        linear = apply_linear_kernel(loaded.model, self.linear_kernel)
+        attention = apply_attention_kernel(loaded.model, self.attention_kernel)
+        loaded.precision = (f"{str(self.dtype).removeprefix('torch.')}, {linear} linear, "
+                            f"{attention} attention")
+        loaded.row_invariance_caveat = row_invariance_caveat(self.device, self.dtype, linear,
+                                                             attention)
+        loaded.row_invariant = attention == "rowwise"
+        loaded.decode_rows = MAX_QUERY_ROWS
+        return loaded
+
+    def load_draft(self, name_or_path: str, *, target_vocab_size: int | None,
+                   progress: bool = False) -> DraftChoice:
+        from specdec.draft_precision import load_draft
+
+        return load_draft(name_or_path, self.device, self.draft_dtype,
+                          self.draft_linear_kernel, shared_dtype=self.dtype,
+                          attention_kernel=self.attention_kernel,
+                          target_vocab_size=target_vocab_size, progress=progress,
+                          compile_setting=self.draft_compile)
+
+    def describe(self) -> str:
+        return (f"{super().describe()}, linear {self.linear_kernel}, attention "
+                f"{self.attention_kernel}, draft {self.draft_dtype}/{self.draft_linear_kernel}"
+                f", draft compile {self.draft_compile}")

@@ -1,0 +1,20 @@
+"""The torch backend: transformers' stock kernels in the configured dtype (CUDA, and any
+device without a tuned backend)."""
+
+from __future__ import annotations
+
+from specdec.backends.base import Backend, DraftChoice
+from specdec.draft_precision import Precision
+from specdec.models import LoadedModel, load_pretrained
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def load(self, name_or_path: str, *, progress: bool = False) -> LoadedModel:
+        return load_pretrained(name_or_path, self.device, self.dtype, progress)
+
+    def load_draft(self, name_or_path: str, *, target_vocab_size: int | None,
+                   progress: bool = False) -> DraftChoice:
+        return DraftChoice(self.load(name_or_path, progress=progress),
+                           Precision(self.dtype, "torch"), {})

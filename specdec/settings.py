@@ -1,0 +1,247 @@
+"""Every setting of the services, defined once: name, type, default, help, choices.
+
+A setting `some-setting` is the flag `--some-setting`, which defaults to the environment
+variable `SPECDEC_SOME_SETTING`, then to the default here. The CLI builds its flags from
+this registry, the servicers and the loop take their defaults from it (`default(name)`),
+a test checks the Kubernetes ConfigMap against it, and `specdec settings --markdown`
+prints the reference table of the docs from it.
+
+This module imports nothing heavy (no torch, transformers or grpc): the CLI, the
+ConfigMap test and the docs read it without loading a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MODELS = "models"
+SERVICE = "service"
+SPECULATION = "speculation"
+LIMITS = "limits and timeouts"
+TELEMETRY = "telemetry"
+CPU_KERNELS = "advanced: CPU kernels"
+GROUPS = (MODELS, SERVICE, SPECULATION, LIMITS, TELEMETRY, CPU_KERNELS)
+
+
+def env_name(flag: str) -> str:
+    """`--some-setting` (or `some-setting`) -> `SPECDEC_SOME_SETTING`."""
+    return "SPECDEC_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the flag without its dashes
+    default: Any
+    help: str
+    group: str
+    type: type = str
+    choices: tuple[Any, ...] | None = None
+    # A fine-tuning knob: in its own help group and marked in the reference table.
+    advanced: bool = False
+    # False for a setting read from the environment only (no flag).
+    flag: bool = True
+
+    @property
+    def env(self) -> str:
+        return env_name(self.name)
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    def from_env(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The environment's value, converted, or the default when unset or empty."""
+        raw = (os.environ if environ is None else environ).get(self.env)
+        return self.type(raw) if raw not in (None, "") else self.default
+
+
+# Choices shared with the modules that implement them (a test checks they agree).
+BACKENDS = ("auto", "cpu-tuned", "torch")
+LINEAR_KERNELS = ("auto", "torch", "skinny", "onednn")
+ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
+COMPILE_CHOICES = ("auto", "on", "off")
+DEFAULT_PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
+DEFAULT_METRICS_PORTS = {"coordinator": 9464, "draft": 9465, "target": 9466}
+
+_REPLICAS = "host:port, a list host:port,host:port, or dns:///name:port"
+
+_ALL = (
+    # models
+    Setting("target-model", "smollm2-135m-instruct",
+            "target model: the embedded SmolLM2-135M-Instruct, or any HF path or id", MODELS),
+    Setting("draft-model", "specdec-draft",
+            "draft model: the embedded trained draft, or any HF path or id", MODELS),
+    Setting("device", "cpu", "torch device: cpu, cuda, cuda:N or auto", MODELS),
+    Setting("dtype", "bfloat16", "model dtype: bfloat16, float32 or float16", MODELS),
+    Setting("backend", "auto",
+            "how models run: auto (cpu-tuned on CPU, torch elsewhere), cpu-tuned (the "
+            "row-invariant CPU kernels, the draft's precision and compile chosen at load), "
+            "or torch (stock kernels)", MODELS, choices=BACKENDS),
+    Setting("kv-budget-mb", 2048, "KV cache memory budget per model (MiB)", MODELS, type=int),
+    Setting("model-cache", "",
+            "directory of converted models (empty: $XDG_CACHE_HOME/specdec/models)",
+            MODELS, flag=False),
+    # service
+    Setting("host", "127.0.0.1", "interface to listen on", SERVICE),
+    Setting("port", 0, "port (0 = the role's default: coordinator "
+            f"{DEFAULT_PORTS['coordinator']}, draft {DEFAULT_PORTS['draft']}, "
+            f"target {DEFAULT_PORTS['target']})", SERVICE, type=int),
+    Setting("draft-endpoint", f"127.0.0.1:{DEFAULT_PORTS['draft']}",
+            f"coordinator: the draft replicas, {_REPLICAS} ('none' = no draft, target-only)",
+            SERVICE),
+    Setting("target-endpoint", f"127.0.0.1:{DEFAULT_PORTS['target']}",
+            f"coordinator: the target replicas, {_REPLICAS}", SERVICE),
+    Setting("discovery-refresh-s", 5.0,
+            "coordinator: seconds between DNS re-resolutions of dns:/// endpoints",
+            SERVICE, type=float, flag=False),
+    Setting("max-workers", 32, "gRPC server threads", SERVICE, type=int),
+    Setting("session-ttl-s", 600.0,
+            "release a session's KV cache after this long without calls", SERVICE, type=float),
+    Setting("grace-s", 5.0, "graceful-stop period for in-flight calls", SERVICE, type=float),
+    # speculation
+    Setting("num-draft-tokens", 4,
+            "draft length when a request does not set speculation (adaptive requests start "
+            "there)", SPECULATION, type=int),
+    # Drafts longer than this make a verification more than a decode-sized forward
+    # (specdec.attention.MAX_QUERY_ROWS rows), whose cost then grows with its length.
+    Setting("max-draft-tokens", 16,
+            "most tokens drafted per round (a request asking more is rejected)",
+            SPECULATION, type=int),
+    # Beyond this a CPU verification costs more than the extra acceptance brings, and the
+    # adaptive policy sweeps every length it allows once.
+    Setting("max-adaptive-length", 8,
+            "longest draft the adaptive policy chooses unless a request asks for more (a "
+            "flag of `specdec bench`; the services use this default)", SPECULATION, type=int),
+    Setting("draft-confidence", 0.4,
+            "adaptive requests end a round's draft after a token the draft gives less than "
+            "this probability (0 = off; a request may set its own)", SPECULATION, type=float),
+    Setting("draft-alternatives", 2,
+            "greedy requests also verify this many of the draft's next-best tokens beside "
+            "its chain each round (0 = off; a request may set its own)", SPECULATION, type=int),
+    Setting("prompt-lookup-tokens", 6,
+            "speculative requests first look the last few tokens up in the text so far and "
+            "propose up to this many of the tokens that followed them, without a draft "
+            "forward (0 = off; a request may set its own)", SPECULATION, type=int),
+    Setting("prompt-lookup-min", 2, "shortest n-gram prompt lookup matches", SPECULATION,
+            type=int),
+    Setting("prompt-lookup-max", 4, "longest n-gram prompt lookup matches (tried first)",
+            SPECULATION, type=int),
+    # limits and timeouts
+    Setting("max-new-tokens-limit", 2048, "largest max_new_tokens a request may ask for",
+            LIMITS, type=int),
+    Setting("draft-timeout-ms", 5000.0,
+            "per-call deadline of Propose; a slower draft is skipped (target-only, still "
+            "exact) and retried with backoff", LIMITS, type=float),
+    Setting("target-timeout-s", 30.0,
+            "how long one Verify may wait for an unavailable target, retries included",
+            LIMITS, type=float),
+    # telemetry
+    Setting("tracing", "on", "OpenTelemetry tracing: on or off", TELEMETRY),
+    Setting("trace-dir", "traces",
+            "directory of the OTLP/JSON-lines trace files, one per service", TELEMETRY),
+    Setting("trace-file", "",
+            "trace file (OTLP/JSON lines); 'none' writes no file, empty means "
+            "<trace-dir>/<role>.jsonl", TELEMETRY),
+    Setting("trace-tokens", "off", "record token ids on spans: on or off", TELEMETRY),
+    Setting("metrics-port", None,
+            "Prometheus /metrics port (-1: off, 0: any free port; unset: "
+            + ", ".join(f"{port} {role}" for role, port in DEFAULT_METRICS_PORTS.items())
+            + ")", TELEMETRY, type=int),
+    # advanced: CPU kernels (used by the cpu-tuned backend; the torch backend ignores them)
+    Setting("torch-threads", 0, "torch intra-op threads (0 = torch default)", CPU_KERNELS,
+            type=int, advanced=True),
+    Setting("linear-kernel", "auto",
+            "matmul kernel of the linear layers: auto (skinny for float32, onednn for "
+            "bfloat16), torch, skinny or onednn", CPU_KERNELS, choices=LINEAR_KERNELS,
+            advanced=True),
+    Setting("attention-kernel", "auto",
+            "attention of decode-sized forwards: auto (grouped for float32, rowwise for "
+            "reduced precision), sdpa, grouped or rowwise", CPU_KERNELS,
+            choices=ATTENTION_KERNELS, advanced=True),
+    Setting("draft-dtype", "auto",
+            "draft model dtype: auto (at load, time the draft in --dtype against float32 "
+            "with each CPU kernel and keep the fastest), same (= --dtype), or a dtype; "
+            "changes the draft's speed and acceptance, never the output", CPU_KERNELS,
+            advanced=True),
+    Setting("draft-linear-kernel", "",
+            "matmul kernel of the draft's linear layers (empty = --linear-kernel)",
+            CPU_KERNELS, choices=("", *LINEAR_KERNELS), advanced=True),
+    Setting("draft-compile", "auto",
+            "torch.compile the draft's forward: auto (compile at load, time it against "
+            "eager and keep the faster), on, off", CPU_KERNELS, choices=COMPILE_CHOICES,
+            advanced=True),
+)
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
+
+# Which settings each service command takes.
+MODEL_SETTINGS = ("target-model", "draft-model", "device", "dtype", "backend", "kv-budget-mb",
+                  "torch-threads", "linear-kernel", "attention-kernel", "draft-dtype",
+                  "draft-linear-kernel", "draft-compile")
+# Accepted by every role, so `specdec up` can pass one set to all three.
+SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-tokens",
+                    "num-draft-tokens", "draft-confidence",
+                    "draft-alternatives", "prompt-lookup-tokens", "prompt-lookup-min",
+                    "prompt-lookup-max", "max-new-tokens-limit", "draft-timeout-ms",
+                    "target-timeout-s", "grace-s")
+ADDRESS_SETTINGS = ("host", "port", "draft-endpoint", "target-endpoint")
+TELEMETRY_SETTINGS = tuple(s.name for s in _ALL if s.group == TELEMETRY)
+
+
+def default(name: str) -> Any:
+    """The default of setting `name` (its code default, not the environment's)."""
+    return SETTINGS[name].default
+
+
+def add_setting(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str,
+                default: Any, help: str, type: Any = str, **kwargs: Any) -> None:
+    """Add --flag whose default comes from SPECDEC_FLAG, then from `default` (for a
+    command's own flags; the services' settings come from the registry)."""
+    raw = os.environ.get(env_name(flag))
+    value = type(raw) if raw not in (None, "") else default
+    shown = "unset" if default is None else "empty" if default == "" else default
+    parser.add_argument(flag, default=value, type=type,
+                        help=f"{help} (env {env_name(flag)}; default: {shown})", **kwargs)
+
+
+def add_settings(parser: argparse.ArgumentParser, names: Iterable[str],
+                 grouped: bool = True) -> None:
+    """Flags for the named settings; with `grouped`, in one argparse group per section."""
+    chosen = [SETTINGS[name] for name in names if SETTINGS[name].flag]
+    for group in GROUPS:
+        members = [s for s in chosen if s.group == group]
+        if not members:
+            continue
+        target: argparse.ArgumentParser | argparse._ArgumentGroup = (
+            _group(parser, group) if grouped else parser)
+        for setting in members:
+            extra = {"choices": setting.choices} if setting.choices is not None else {}
+            add_setting(target, "--" + setting.name, setting.default, setting.help,
+                        type=setting.type, **extra)
+
+
+def _group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    for existing in parser._action_groups:
+        if existing.title == title:
+            return existing
+    return parser.add_argument_group(title)
+
+
+def markdown_table() -> str:
+    """The reference table of every setting, grouped, for docs/configuration.md."""
+    lines: list[str] = []
+    for group in GROUPS:
+        lines += ["", f"### {group}", "", "| flag | environment | default | meaning |",
+                  "|---|---|---|---|"]
+        for s in (s for s in _ALL if s.group == group):
+            flag = f"`--{s.name}`" if s.flag else "(environment only)"
+            shown = "unset" if s.default is None else f"`{s.default}`" if s.default != "" \
+                else "empty"
+            meaning = s.help + (f" (one of: {', '.join(c or 'empty' for c in s.choices)})"
+                                if s.choices else "")
+            lines.append(f"| {flag} | `{s.env}` | {shown} | {meaning.replace('|', '/')} |")
+    return "\n".join(lines[1:]) + "\n"
