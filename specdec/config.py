@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from specdec.draft_compile import AUTO as COMPILE_AUTO
-from specdec.draft_compile import SETTINGS as COMPILE_SETTINGS
-from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, parse_device, parse_dtype
+if TYPE_CHECKING:  # torch and the model modules load where models load, not in the CLI
+    import torch
 
 
 def env_name(flag: str) -> str:
@@ -32,6 +29,8 @@ def add_setting(parser: argparse.ArgumentParser, flag: str, default: Any, help: 
 
 def add_model_settings(parser: argparse.ArgumentParser,
                        roles: tuple[str, ...] = ("target", "draft")) -> None:
+    from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET
+
     if "target" in roles:
         add_setting(parser, "--target-model", DEFAULT_TARGET,
                     "target model: the embedded SmolLM2-135M-Instruct, or any HF path or id")
@@ -66,6 +65,8 @@ def add_kernel_settings(parser: argparse.ArgumentParser) -> None:
 def add_draft_precision_settings(parser: argparse.ArgumentParser) -> None:
     """The draft's own dtype and linear kernel: they change its speed and acceptance,
     never the output (exactness is defined against the target as served)."""
+    from specdec.draft_compile import AUTO as COMPILE_AUTO
+    from specdec.draft_compile import SETTINGS as COMPILE_SETTINGS
     from specdec.kernels import KERNELS
 
     add_setting(parser, "--draft-dtype", "auto",
@@ -82,6 +83,8 @@ def add_draft_precision_settings(parser: argparse.ArgumentParser) -> None:
 
 
 def draft_compile(args: argparse.Namespace | Any) -> str:
+    from specdec.draft_compile import AUTO as COMPILE_AUTO
+
     return getattr(args, "draft_compile", "") or COMPILE_AUTO
 
 
@@ -94,6 +97,10 @@ def draft_precision(args: argparse.Namespace | Any) -> tuple[str, str]:
 
 
 def apply_torch_settings(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    import torch
+
+    from specdec.models import parse_device, parse_dtype
+
     if getattr(args, "torch_threads", 0):
         torch.set_num_threads(args.torch_threads)
     return parse_device(args.device), parse_dtype(args.dtype)

@@ -25,7 +25,8 @@ def add_service_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--max-draft-tokens", 16,
                 "most tokens drafted per round (a request asking more is rejected)", type=int)
     add_setting(parser, "--num-draft-tokens", 4,
-                "draft length when a request does not set speculation", type=int)
+                "draft length adaptive requests start from, and requests that do not set "
+                "speculation are adaptive (0 = those run target-only)", type=int)
     add_setting(parser, "--draft-confidence", DEFAULT_DRAFT_CONFIDENCE,
                 "adaptive requests end a round's draft after a token the draft gives less "
                 "than this probability (0 = off; a request may set its own)", type=float)
