@@ -205,7 +205,8 @@ def through_coordinator(endpoint: str, k: int, n: int, repeats: int) -> dict[str
         per_token = []
         for _ in range(repeats):
             response = call(endpoint, build_request(PROMPT, chat=True, max_new_tokens=n,
-                                                    num_draft_tokens=draft_tokens),
+                                                    num_draft_tokens=draft_tokens,
+                                                    fixed=draft_tokens > 0),
                             stream=False, timeout_s=600)
             per_token.append(1000 * response.stats.total_seconds / len(response.token_ids))
         out[name] = median(per_token)

@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"  {role:<12} {stack.endpoint(role)}")
         adaptive = not args.fixed_length
         request = build_request(args.prompt, chat=True, max_new_tokens=args.max_new_tokens,
-                                num_draft_tokens=args.num_draft_tokens, adaptive=adaptive)
+                                num_draft_tokens=args.num_draft_tokens, fixed=not adaptive)
         warm_up = build_request(args.prompt, chat=True, max_new_tokens=8,
-                                num_draft_tokens=args.num_draft_tokens, adaptive=adaptive)
+                                num_draft_tokens=args.num_draft_tokens, fixed=not adaptive)
         call(endpoint, warm_up, stream=False, timeout_s=900)
         console.print(f"\n[bold]user:[/] {args.prompt}\n[bold]assistant:[/] ", end="")
         speculative = call(endpoint, request, stream=True, timeout_s=900,
