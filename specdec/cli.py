@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from specdec import commands
+from specdec.stack import die_with_parent
 
 
 def command_names() -> list[str]:
@@ -63,6 +64,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    die_with_parent()  # a service started by `specdec up` stops when `up` does
     args = build_parser(chosen_command(argv)).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -215,6 +215,10 @@ def run(args: argparse.Namespace) -> int:
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
     settings = settings_from_args(args)
+    # The services it starts write their traces beside its report (unless told where),
+    # and serve metrics on any free ports, so a bench runs beside `specdec up`.
+    os.environ.setdefault("SPECDEC_TRACE_DIR", str(Path(args.out).resolve() / "traces"))
+    os.environ.setdefault("SPECDEC_METRICS_PORT", "0")
     argv = sys.argv[1:]
     command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
     if args.costs_only:

@@ -12,7 +12,6 @@ costs).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -63,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
     args.log_dir = str(log_dir)
     console.print(f"starting draft, target and coordinator (logs in {log_dir}) ...")
     # A throwaway stack: any free metrics ports, so it runs beside `specdec up`.
-    stack = start(args, env={"SPECDEC_METRICS_PORT": os.environ.get("SPECDEC_METRICS_PORT")
-                             or "0"})
+    if args.metrics_port is None:
+        args.metrics_port = 0
+    stack = start(args)
     try:
         endpoint = stack.endpoint("coordinator")
         for role in ("coordinator", "draft", "target"):

@@ -86,6 +86,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from specdec.compute import MainThreadExecutor
     from specdec.grpc_server import serve_until_signal
+    from specdec.stack import announce_ready
 
     if not args.port:
         args.port = DEFAULT_PORTS[args.role]
@@ -99,5 +100,6 @@ def run(args: argparse.Namespace) -> int:
     handle = (create(args, telemetry=telemetry) if args.role == "coordinator"
               else create(args, telemetry=telemetry, executor=work))
     print(f"{args.role} serving on {handle.address}", flush=True)
+    announce_ready(handle.address)  # for a parent `specdec up`: this process is serving
     serve_until_signal(handle, args.grace_s, work)
     return 0

@@ -1,7 +1,9 @@
 """CLI flags for telemetry, following the SPECDEC_* convention of specdec.config.
 
 --tracing on|off           SPECDEC_TRACING        (OTEL_SDK_DISABLED=true also turns it off)
---trace-dir DIR            SPECDEC_TRACE_DIR      where `<role>.jsonl` files go; `specdec
+--trace-dir DIR            SPECDEC_TRACE_DIR      where `<role>.jsonl` files go (default
+                                                  $XDG_STATE_HOME/specdec/traces, i.e.
+                                                  ~/.local/state/specdec/traces); `specdec
                                                   traces` reads the same directory
 --trace-file PATH|none     SPECDEC_TRACE_FILE     overrides `<trace-dir>/<role>.jsonl`
 --trace-tokens on|off      SPECDEC_TRACE_TOKENS   put token ids (content) on spans
@@ -18,7 +20,18 @@ from pathlib import Path
 
 from specdec.telemetry.metrics import DEFAULT_METRICS_PORTS
 
-DEFAULT_TRACE_DIR = "traces"
+# A trace file rotates to <file>.1 past this size (one old file kept).
+TRACE_FILE_MAX_MB = 100
+
+
+
+def default_trace_dir() -> str:
+    """Where trace files go unless told: the user's state directory, not the current one."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(state) / "specdec" / "traces")
+
+
+DEFAULT_TRACE_DIR = default_trace_dir()
 
 
 def add_setting(parser: argparse.ArgumentParser, flag: str, default: object, help: str,
@@ -33,7 +46,9 @@ def add_setting(parser: argparse.ArgumentParser, flag: str, default: object, hel
 
 def add_trace_dir_setting(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--trace-dir", DEFAULT_TRACE_DIR,
-                "directory of the OTLP/JSON-lines trace files, one per service")
+                "directory of the OTLP/JSON-lines trace files, one per service; each "
+                f"rotates to <file>.1 past {TRACE_FILE_MAX_MB} MiB, so a service keeps at most "
+                f"{2 * TRACE_FILE_MAX_MB} MiB")
 
 
 def add_telemetry_settings(parser: argparse.ArgumentParser) -> None:
