@@ -103,6 +103,9 @@ def check_ports_free(host: str, ports: Mapping[str, int]) -> None:
         if port <= 0:
             continue
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            # As the gRPC and metrics servers bind: a closed connection's TIME_WAIT on the
+            # port does not stop them, a listener does.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError as error:
