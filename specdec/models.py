@@ -54,12 +54,27 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
+def cuda_unavailable_reason() -> str:
+    """Why torch cannot use CUDA here, in words a user can act on."""
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is built without CUDA; install a CUDA "
+                "build (docs/install.md)")
+    return (f"this torch is built for CUDA {torch.version.cuda} but sees no GPU (driver, "
+            "CUDA_VISIBLE_DEVICES, or container GPU access)")
+
+
 def parse_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("--device auto: using %s%s", device,
+                 "" if device.type == "cuda" else f" ({cuda_unavailable_reason()})")
+        return device
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available here")
+        raise ValueError(f"--device {name}: {cuda_unavailable_reason()}")
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
     return device
 
 
