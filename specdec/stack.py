@@ -214,7 +214,7 @@ class Stack:
 def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
                 service_args: Sequence[str] = (), log_dir: Path | None = None,
                 env: dict[str, str] | None = None,
-                role_args: dict[str, Sequence[str]] | None = None,
+                role_args: Mapping[str, Sequence[str]] | None = None,
                 role_env: dict[str, dict[str, str]] | None = None,
                 draft_after_target_s: float = 0.0) -> Stack:
     """Start the three `specdec serve` processes; call wait_healthy() next.

@@ -11,6 +11,7 @@ draft (token_map.json: draft id -> target id) must map into the target's vocabul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -73,10 +74,8 @@ def check_pair(target_name: str, draft_name: str, target_tokenizer: Any | None,
         problem = token_map_mismatch(json.loads(token_map.read_text())["target_ids"],
                                      target_vocab_size)
     draft_tokenizer = None
-    try:
+    with contextlib.suppress(OSError, ValueError, TypeError):
         draft_tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError):
-        pass
     if problem is None and draft_tokenizer is not None and target_tokenizer is not None:
         problem = vocabulary_mismatch(target_tokenizer, draft_tokenizer)
     if problem is not None:

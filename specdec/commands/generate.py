@@ -13,7 +13,6 @@ from typing import Any
 
 from specdec.config import add_setting
 
-
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
 
 

@@ -8,6 +8,7 @@ anything starts, and "ready" is printed only once this run's own three processes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -94,10 +95,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def say(text: str) -> None:
     """Print, unless the terminal is gone (after SIGHUP): stopping must go on regardless."""
-    try:
+    with contextlib.suppress(OSError):
         print(text, flush=True)
-    except OSError:
-        pass
 
 
 def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
