@@ -19,31 +19,34 @@ from specdec import commands
 from specdec.stack import die_with_parent
 
 
-def command_names() -> list[str]:
-    return sorted(info.name for info in pkgutil.iter_modules(commands.__path__)
-                  if not info.name.startswith("_"))
+def command_modules() -> dict[str, str]:
+    """Command name -> module name, from each module's `add_parser` call (no import)."""
+    return {command_info(info.name)[0]: info.name
+            for info in pkgutil.iter_modules(commands.__path__)
+            if not info.name.startswith("_")}
 
 
-def command_help(name: str) -> str:
-    """The `help=` a command module gives its subparser, read from its source (no import);
-    else the first line of its docstring."""
-    source = Path(commands.__path__[0], f"{name}.py").read_text(encoding="utf-8")
+def command_info(module: str) -> tuple[str, str]:
+    """The name and `help=` a command module gives its subparser, read from its source
+    (no import); the module name and its docstring's first line where it does not say."""
+    source = Path(commands.__path__[0], f"{module}.py").read_text(encoding="utf-8")
     tree = ast.parse(source)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_parser":
-            for keyword in node.keywords:
-                if keyword.arg == "help" and isinstance(keyword.value, ast.Constant):
-                    return str(keyword.value.value)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_parser" \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            help_text = next((str(keyword.value.value) for keyword in node.keywords
+                              if keyword.arg == "help"
+                              and isinstance(keyword.value, ast.Constant)), "")
+            return str(node.args[0].value), help_text
     docstring = (ast.get_docstring(tree) or "").strip()
-    return docstring.splitlines()[0] if docstring else ""
+    return module, docstring.splitlines()[0] if docstring else ""
 
 
 def chosen_command(argv: list[str]) -> str | None:
     """The subcommand named in argv (the first argument not starting with '-')."""
-    names = set(command_names())
     for arg in argv:
         if not arg.startswith("-"):
-            return arg if arg in names else None
+            return arg if arg in command_modules() else None
     return None
 
 
@@ -53,12 +56,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="specdec", description="Exact speculative decoding as gRPC services.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in command_names():
+    for name, module_name in sorted(command_modules().items()):
         if name == command:
-            module = importlib.import_module(f"{commands.__name__}.{name}")
+            module = importlib.import_module(f"{commands.__name__}.{module_name}")
             module.add_parser(subparsers)
         else:
-            subparsers.add_parser(name, help=command_help(name), add_help=False)
+            subparsers.add_parser(name, help=command_info(module_name)[1], add_help=False)
     return parser
 
 

@@ -51,6 +51,18 @@ def test_help_lists_every_command_without_loading_it() -> None:
     assert elapsed < 10  # a generous bound on a shared machine; torch alone takes longer
 
 
+def test_every_command_is_found_by_the_name_it_registers() -> None:
+    from specdec.cli import build_parser, chosen_command, command_modules
+
+    names = command_modules()
+    assert {"ray", "train-draft", "up", "generate"} <= set(names)
+    for name in names:
+        assert chosen_command(["-v", name, "--help"]) == name
+        parser = build_parser(name)
+        subparsers = next(a for a in parser._actions if a.dest == "command")
+        assert subparsers.choices[name].get_default("func") is not None, name  # type: ignore[index]
+
+
 def test_generate_help_gives_every_flag_a_default() -> None:
     from specdec.cli import build_parser
 
