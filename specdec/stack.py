@@ -221,7 +221,9 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
 
     Children share a process group of their own, so a Ctrl-C in the terminal reaches
     only the parent, which then stops them in order; each dies with the parent
-    (die_with_parent) and reports ready through its ready file (announce_ready).
+    (die_with_parent) and reports ready through its ready file (announce_ready). The
+    kernel ties a child to the thread that started it, so call this from a thread that
+    outlives the stack (the main thread).
     role_args / role_env: extra flags / environment for one role (they win).
     draft_after_target_s > 0: start the draft only once the target
     is healthy (waiting at most that long), because the draft times its precision choices
