@@ -76,6 +76,8 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not 0 <= lookup_tokens <= limits.max_draft_tokens:
             raise InvalidRequest(f"speculation.prompt_lookup_tokens must be in "
                                  f"[0, {limits.max_draft_tokens}], got {lookup_tokens}")
+    if request.HasField("speculation") and num_draft_tokens == 0 and not adaptive:
+        check_target_only(request)
     stop = list(request.stop)
     for index, text in enumerate(stop):
         if not text:
@@ -108,9 +110,8 @@ def speculation_mode(request: coordinator_pb2.GenerateRequest,
 
     No `speculation`: adaptive, from the coordinator's default length. `adaptive` with
     num_draft_tokens 0: the same (0 there means "the default length"). num_draft_tokens
-    N > 0 without `adaptive`: a fixed length of N. Neither: target-only decoding, which
-    the other speculation fields cannot apply to, so a request setting them is rejected
-    rather than silently served without a draft.
+    N > 0 without `adaptive`: a fixed length of N. Neither: target-only decoding
+    (check_target_only).
     """
     if not request.HasField("speculation"):
         return limits.default_draft_tokens, True
@@ -122,17 +123,22 @@ def speculation_mode(request: coordinator_pb2.GenerateRequest,
                              f"adaptive, target-only without), got {num_draft_tokens}")
     if adaptive:
         return num_draft_tokens or limits.default_draft_tokens, True
-    if num_draft_tokens == 0:
-        speculative = [name for name in ("draft_confidence", "num_alternatives",
-                                         "prompt_lookup_tokens")
-                       if speculation.HasField(name) and getattr(speculation, name) != 0]
-        if speculative:
-            raise InvalidRequest(
-                f"speculation.{speculative[0]} applies to speculative requests, but "
-                "num_draft_tokens 0 without adaptive asks for target-only decoding; leave "
-                "out `speculation` for the default (adaptive), or set adaptive or "
-                "num_draft_tokens")
     return num_draft_tokens, False
+
+
+def check_target_only(request: coordinator_pb2.GenerateRequest) -> None:
+    """A target-only request (num_draft_tokens 0 without adaptive) that sets a field only
+    speculative requests use is rejected rather than silently served without a draft."""
+    speculation = request.speculation
+    speculative = [name for name in ("draft_confidence", "num_alternatives",
+                                     "prompt_lookup_tokens")
+                   if speculation.HasField(name) and getattr(speculation, name) != 0]
+    if speculative:
+        raise InvalidRequest(
+            f"speculation.{speculative[0]} applies to speculative requests, but "
+            "num_draft_tokens 0 without adaptive asks for target-only decoding; leave "
+            "out `speculation` for the default (adaptive), or set adaptive or "
+            "num_draft_tokens")
 
 
 def tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
