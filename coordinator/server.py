@@ -16,6 +16,7 @@ from specdec.model_service import model_info
 from specdec.models import load_tokenizer
 from specdec.settings import DEFAULT_PORTS
 from specdec.telemetry.service import Telemetry
+from specdec.tokenizer_check import check_pair
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ def create_with_endpoints(
         log.warning("no tokenizer for %s (%s): only prompt_token_ids will be accepted",
                     args.target_model, error)
         tokenizer = None
+    if args.draft_endpoint.lower() not in ("", "none"):
+        check_pair(args.target_model, args.draft_model, tokenizer, target.vocab_size)
     # Client interceptor: Propose/Verify carry the trace context to the services.
     channels = ChannelPool(wrap=telemetry.intercept_channel if telemetry else None)
     endpoints = replica_endpoints(args, channels)

@@ -19,7 +19,8 @@ class Limits:
     max_context: int  # the target's
     max_new_tokens: int  # SPECDEC_MAX_NEW_TOKENS_LIMIT
     max_draft_tokens: int
-    default_draft_tokens: int  # when the request has no `speculation`
+    # Adaptive requests that give no length start from it (SPECDEC_NUM_DRAFT_TOKENS).
+    default_draft_tokens: int
     default_draft_confidence: float = 0.0  # adaptive requests that do not set their own
     default_alternatives: int = 0  # greedy requests that do not set their own
     default_lookup_tokens: int = 0  # requests that do not set their own
@@ -53,13 +54,7 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
                              f"(SPECDEC_MAX_NEW_TOKENS_LIMIT), got {request.max_new_tokens}")
     sampling = (wire.sampling_from_proto(request.sampling) if request.HasField("sampling")
                 else SamplingParams())
-    num_draft_tokens, adaptive = limits.default_draft_tokens, False
-    if request.HasField("speculation"):
-        num_draft_tokens = request.speculation.num_draft_tokens
-        adaptive = request.speculation.adaptive
-        if not 0 <= num_draft_tokens <= limits.max_draft_tokens:
-            raise InvalidRequest(f"speculation.num_draft_tokens must be in "
-                                 f"[0, {limits.max_draft_tokens}], got {num_draft_tokens}")
+    num_draft_tokens, adaptive = speculation_mode(request, limits)
     draft_confidence = limits.default_draft_confidence if adaptive else 0.0
     if request.HasField("speculation") and request.speculation.HasField("draft_confidence"):
         draft_confidence = request.speculation.draft_confidence
@@ -81,6 +76,8 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not 0 <= lookup_tokens <= limits.max_draft_tokens:
             raise InvalidRequest(f"speculation.prompt_lookup_tokens must be in "
                                  f"[0, {limits.max_draft_tokens}], got {lookup_tokens}")
+    if request.HasField("speculation") and num_draft_tokens == 0 and not adaptive:
+        check_target_only(request)
     stop = list(request.stop)
     for index, text in enumerate(stop):
         if not text:
@@ -105,6 +102,43 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
             f"{limits.max_context - len(prompt_ids)}")
     return ValidRequest(prompt_ids, request.max_new_tokens, sampling, num_draft_tokens,
                         adaptive, stop, draft_confidence, num_alternatives, lookup_tokens)
+
+
+def speculation_mode(request: coordinator_pb2.GenerateRequest,
+                     limits: Limits) -> tuple[int, bool]:
+    """(draft length, adaptive) a request asks for.
+
+    No `speculation`: adaptive, from the coordinator's default length. `adaptive` with
+    num_draft_tokens 0: the same (0 there means "the default length"). num_draft_tokens
+    N > 0 without `adaptive`: a fixed length of N. Neither: target-only decoding
+    (check_target_only).
+    """
+    if not request.HasField("speculation"):
+        return limits.default_draft_tokens, True
+    speculation = request.speculation
+    num_draft_tokens, adaptive = speculation.num_draft_tokens, speculation.adaptive
+    if not 0 <= num_draft_tokens <= limits.max_draft_tokens:
+        raise InvalidRequest(f"speculation.num_draft_tokens must be in "
+                             f"[0, {limits.max_draft_tokens}] (0 = the default length with "
+                             f"adaptive, target-only without), got {num_draft_tokens}")
+    if adaptive:
+        return num_draft_tokens or limits.default_draft_tokens, True
+    return num_draft_tokens, False
+
+
+def check_target_only(request: coordinator_pb2.GenerateRequest) -> None:
+    """A target-only request (num_draft_tokens 0 without adaptive) that sets a field only
+    speculative requests use is rejected rather than silently served without a draft."""
+    speculation = request.speculation
+    speculative = [name for name in ("draft_confidence", "num_alternatives",
+                                     "prompt_lookup_tokens")
+                   if speculation.HasField(name) and getattr(speculation, name) != 0]
+    if speculative:
+        raise InvalidRequest(
+            f"speculation.{speculative[0]} applies to speculative requests, but "
+            "num_draft_tokens 0 without adaptive asks for target-only decoding; leave "
+            "out `speculation` for the default (adaptive), or set adaptive or "
+            "num_draft_tokens")
 
 
 def tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:

@@ -56,12 +56,27 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
+def cuda_unavailable_reason() -> str:
+    """Why torch cannot use CUDA here, in words a user can act on."""
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is built without CUDA; install a CUDA "
+                "build (docs/install.md)")
+    return (f"this torch is built for CUDA {torch.version.cuda} but sees no GPU (driver, "
+            "CUDA_VISIBLE_DEVICES, or container GPU access)")
+
+
 def parse_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("--device auto: using %s%s", device,
+                 "" if device.type == "cuda" else f" ({cuda_unavailable_reason()})")
+        return device
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available here")
+        raise ValueError(f"--device {name}: {cuda_unavailable_reason()}")
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
     return device
 
 
@@ -127,7 +142,7 @@ def prepare_smollm2(progress: bool = True) -> Path:
 
 
 def resolve(name_or_path: str, progress: bool = True) -> Path | str:
-    """Map the embedded names to local dirs; pass any other path or hub id through."""
+    """Map the embedded names to local dirs, check any other path or hub id exists."""
     if name_or_path in ("", DEFAULT_TARGET):
         return prepare_smollm2(progress)
     embedded = {DEFAULT_DRAFT: (_DRAFT_DIR, "train-draft"),
@@ -139,7 +154,37 @@ def resolve(name_or_path: str, progress: bool = True) -> Path | str:
                 f"the embedded draft {name_or_path!r} is missing from {directory}; train it "
                 f"with `specdec {command}` or pass --draft-model")
         return directory
-    return name_or_path
+    return _local_or_hub(name_or_path)
+
+
+class ModelNotFound(RuntimeError):
+    """A model name that is neither a local directory nor loadable from the hub."""
+
+
+def _local_or_hub(name: str) -> Path | str:
+    """A local directory as a Path; a hub id once its config.json is in the Hugging Face
+    cache or downloadable; else ModelNotFound in one line naming the id and the caches."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelNotFound(f"model {name!r}: no such directory (a model directory holds "
+                            "config.json and weights, e.g. from save_pretrained)")
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return name  # cached: no network needed
+        hf_hub_download(name, "config.json")
+    except Exception as error:  # noqa: BLE001 - not found, offline, unreachable, bad id
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ModelNotFound(
+            f"model {name!r} is not a local directory and cannot be loaded from the "
+            f"Hugging Face hub or its cache {constants.HF_HUB_CACHE} "
+            f"({type(error).__name__}: {first[:160]}); the embedded models are "
+            f"{DEFAULT_TARGET!r} and {DEFAULT_DRAFT!r} (converted into {model_cache_dir()})"
+            ) from None
+    return name
 
 
 @dataclass

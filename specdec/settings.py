@@ -18,6 +18,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# A trace file rotates to <file>.1 past this size (one old file kept).
+TRACE_FILE_MAX_MB = 100
+
+
+def _default_trace_dir() -> str:
+    """Where trace files go unless told: the user's state directory, not the current one."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                              "state")
+    return os.path.join(state, "specdec", "traces")
+
+
 MODELS = "models"
 SERVICE = "service"
 SPECULATION = "speculation"
@@ -104,8 +115,8 @@ _ALL = (
     Setting("grace-s", 5.0, "graceful-stop period for in-flight calls", SERVICE, type=float),
     # speculation
     Setting("num-draft-tokens", 4,
-            "draft length when a request does not set speculation (adaptive requests start "
-            "there)", SPECULATION, type=int),
+            "draft length adaptive requests start from; requests that do not set speculation "
+            "are adaptive (0 = those run target-only)", SPECULATION, type=int),
     # Drafts longer than this make a verification more than a decode-sized forward
     # (specdec.attention.MAX_QUERY_ROWS rows), whose cost then grows with its length.
     Setting("max-draft-tokens", 16,
@@ -141,8 +152,10 @@ _ALL = (
             LIMITS, type=float),
     # telemetry
     Setting("tracing", "on", "OpenTelemetry tracing: on or off", TELEMETRY),
-    Setting("trace-dir", "traces",
-            "directory of the OTLP/JSON-lines trace files, one per service", TELEMETRY),
+    Setting("trace-dir", _default_trace_dir(),
+            "directory of the OTLP/JSON-lines trace files, one per service; each rotates to "
+            f"<file>.1 past {TRACE_FILE_MAX_MB} MiB, so a service keeps at most "
+            f"{2 * TRACE_FILE_MAX_MB} MiB", TELEMETRY),
     Setting("trace-file", "",
             "trace file (OTLP/JSON lines); 'none' writes no file, empty means "
             "<trace-dir>/<role>.jsonl", TELEMETRY),

@@ -1,37 +1,42 @@
-"""Run draft, target and coordinator as child processes on one host (`up`, `demo`)."""
+"""Run draft, target and coordinator as child processes on one host (`up`, `demo`).
+
+The children live exactly as long as the parent: they share one process group of their
+own (so a Ctrl-C in the terminal reaches only the parent, which stops them in order), and
+each asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG), which covers a
+parent killed outright. A child counts as ready only once it has written its own pid to
+its ready file after binding its port, so a service answering on the same port from some
+other stack is never taken for it.
+"""
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from specdec.grpc_server import wait_healthy
-
-# The draft and target alternate on the same cores. Before forwards ran on one
-# compute thread per service, libgomp's default spin let an idle service's threads
-# slow the busy one's forward ~7x here (2 cores); fully passive waiting wakes the
-# team for each of a forward's ~200 small GEMMs instead (T_target(1) 37 -> 63 ms).
-# A short spin covers the gaps inside a forward: with each service's tensor work on
-# one compute thread (specdec.model_service), 2 threads each beat 1 thread each
-# (target-only over gRPC 25.0-26.4 against 17.7-21.3 tok/s). A 10x longer spin
-# (300000) measured level with this one (docs/performance.md).
+# The draft and target alternate on the same cores: OpenMP threads wait passively with a
+# short spin, which covers the gaps inside one forward without an idle service's threads
+# spinning against the busy one's.
 SERVICE_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
 
 # Stop order: the coordinator first, so no new rounds reach the model services.
 ROLES = ("coordinator", "draft", "target")
 
-
-def _alive(proc: subprocess.Popen[bytes]) -> bool:
-    return proc.poll() is None
+# Set by start_stack in each child's environment, read by the child (die_with_parent,
+# announce_ready).
+PARENT_PID_ENV = "SPECDEC_PARENT_PID"
+READY_FILE_ENV = "SPECDEC_READY_FILE"
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,12 +45,97 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def die_with_parent() -> None:
+    """In a child of start_stack: have the kernel send SIGTERM when the parent dies.
+
+    Linux only (prctl); elsewhere the parent's own signal handlers stop the children. If
+    the parent is already gone by now, stop at once.
+    """
+    parent = os.environ.pop(PARENT_PID_ENV, "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def announce_ready(address: str) -> None:
+    """In a child of start_stack, once its server is bound and serving: write its pid."""
+    path = os.environ.pop(READY_FILE_ENV, "")
+    if path:
+        Path(path).write_text(f"{os.getpid()} {address}\n")
+
+
+def port_holder(port: int) -> str:
+    """Who listens on a TCP port, as far as /proc tells ("pid 123: specdec serve ..."),
+    or "" where that cannot be seen (another user's process, not Linux)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == "0A" \
+                        and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return ""
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in (pid_dir / "fd").iterdir()):
+                argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
+                words = [Path(argv[0].decode()).name] + [a.decode() for a in argv[1:] if a]
+                if len(words) > 2 and words[1:3] == ["-m", "specdec.cli"]:
+                    words = ["specdec", *words[3:]]
+                return f"pid {pid_dir.name}: {' '.join(words)[:120]}"
+    return ""
+
+
+def check_ports_free(host: str, ports: Mapping[str, int]) -> None:
+    """Raise RuntimeError naming the first port (by what it is for) that cannot be bound,
+    and what holds it if that can be seen. Ports 0 and below are skipped."""
+    for name, port in ports.items():
+        if port <= 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            # As the gRPC and metrics servers bind: a closed connection's TIME_WAIT on the
+            # port does not stop them, a listener does.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as error:
+                holder = port_holder(port)
+                held = f", held by {holder}" if holder else ""
+                raise RuntimeError(f"{name} port {port} on {host} is in use{held} "
+                                   f"({error.strerror}); stop that or choose another port"
+                                   ) from None
+
+
+def last_error_line(path: Path) -> str:
+    """The last line of a log that looks like an error (else its last line), trimmed."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines()
+                 if line.strip()]
+    except OSError:
+        return ""
+    markers = ("error", "Error", "ERROR", "Exception", "Killed")
+    errors = [line for line in lines if any(marker in line for marker in markers)]
+    line = (errors or lines or [""])[-1]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 @dataclass
 class Stack:
     host: str
     ports: dict[str, int]
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
+    ready_dir: Path | None = None
     _files: list[IO[bytes]] = field(default_factory=list)
 
     def endpoint(self, role: str) -> str:
@@ -54,18 +144,43 @@ class Stack:
     def dead(self) -> list[str]:
         return [role for role, proc in self.processes.items() if proc.poll() is not None]
 
+    def ready(self, role: str) -> bool:
+        """The child itself wrote its ready file (its pid) and its port answers health."""
+        proc = self.processes[role]
+        if proc.poll() is not None:
+            return False
+        if self.ready_dir is not None:
+            try:
+                pid = int((self.ready_dir / role).read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                return False
+            if pid != proc.pid:
+                return False
+        from specdec.grpc_server import check_health
+
+        return check_health(self.endpoint(role))
+
+    def failure(self, role: str) -> str:
+        """One line: why a child is not serving (its exit and its log's last error)."""
+        proc = self.processes[role]
+        state = (f"exited with code {proc.returncode}" if proc.poll() is not None
+                 else "is not serving")
+        cause = last_error_line(self.logs[role]) if role in self.logs else ""
+        where = f" (log: {self.logs[role]})" if role in self.logs else ""
+        return f"{role} on {self.endpoint(role)} {state}{': ' + cause if cause else ''}{where}"
+
     def wait_healthy(self, timeout_s: float,
                      roles: Sequence[str] = ("target", "draft", "coordinator")) -> None:
         deadline = time.monotonic() + timeout_s
         for role in roles:
             proc = self.processes[role]
-            ok = wait_healthy(self.endpoint(role), max(0.0, deadline - time.monotonic()),
-                              alive=functools.partial(_alive, proc))
-            if not ok:
-                where = f"; log: {self.logs[role]}" if role in self.logs else ""
-                state = ("exited with " + str(proc.returncode)) if proc.poll() is not None \
-                    else f"not healthy after {timeout_s:.0f} s"
-                raise RuntimeError(f"{role} on {self.endpoint(role)} {state}{where}")
+            while not self.ready(role):
+                if proc.poll() is not None:
+                    raise RuntimeError(self.failure(role))
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.failure(role)}: not ready after "
+                                       f"{timeout_s:.0f} s (--startup-timeout-s)")
+                time.sleep(0.2)
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM each (graceful stop), then SIGKILL what is left; return exit codes."""
@@ -84,31 +199,44 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 codes[role] = proc.wait()
+        # Anything the children started in their process group (compile workers) goes too.
+        group = next((proc.pid for proc in self.processes.values()), None)
+        if group is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGKILL)
         for handle in self._files:
             handle.close()
+        if self.ready_dir is not None:
+            shutil.rmtree(self.ready_dir, ignore_errors=True)
         return codes
 
 
 def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
                 service_args: Sequence[str] = (), log_dir: Path | None = None,
                 env: dict[str, str] | None = None,
-                role_args: dict[str, Sequence[str]] | None = None,
+                role_args: Mapping[str, Sequence[str]] | None = None,
                 role_env: dict[str, dict[str, str]] | None = None,
                 draft_after_target_s: float = 0.0) -> Stack:
     """Start the three `specdec serve` processes; call wait_healthy() next.
 
-    Children get their own session, so a Ctrl-C in the terminal reaches only the parent,
-    which then stops them in order. role_args / role_env: extra flags / environment for
-    one role (they win). draft_after_target_s > 0: start the draft only once the target
-    is healthy (waiting at most that long), because the draft times its precision as it
-    loads (--draft-dtype auto): beside the target's load on the same 2 cores it measured
-    19.5-22.7 ms for steps of 4-8 ms and chose the slowest kernel (docs/performance.md).
+    Children share a process group of their own, so a Ctrl-C in the terminal reaches
+    only the parent, which then stops them in order; each dies with the parent
+    (die_with_parent) and reports ready through its ready file (announce_ready). The
+    kernel ties a child to the thread that started it, so call this from a thread that
+    outlives the stack (the main thread).
+    role_args / role_env: extra flags / environment for one role (they win).
+    draft_after_target_s > 0: start the draft only once the target
+    is healthy (waiting at most that long), because the draft times its precision choices
+    as it loads (--draft-dtype auto), and timings taken beside the target's load pick
+    slow kernels.
     """
     ports = dict(ports or {})
     for role in ROLES:
         ports[role] = ports.get(role) or free_port(host)
-    stack = Stack(host, ports)
-    child_env = {**SERVICE_THREAD_ENV, **os.environ, **(env or {})}
+    stack = Stack(host, ports, ready_dir=Path(tempfile.mkdtemp(prefix="specdec-ready-")))
+    child_env = {**SERVICE_THREAD_ENV, **os.environ, **(env or {}),
+                 PARENT_PID_ENV: str(os.getpid())}
+    group = 0  # the first child starts the group, the others join it
     for role in ("target", "draft", "coordinator"):
         if role == "draft" and draft_after_target_s > 0:
             try:
@@ -127,7 +255,10 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
             stack.logs[role] = log_dir / f"{role}.log"
             output = open(stack.logs[role], "wb")  # noqa: SIM115 - closed by stop()
             stack._files.append(output)
+        ready_file = {READY_FILE_ENV: str(stack.ready_dir / role)} if stack.ready_dir else {}
         stack.processes[role] = subprocess.Popen(
-            command, env={**child_env, **(role_env or {}).get(role, {})}, stdout=output,
-            stderr=subprocess.STDOUT if output else None, start_new_session=True)
+            command, env={**child_env, **(role_env or {}).get(role, {}), **ready_file},
+            stdout=output, stderr=subprocess.STDOUT if output else None,
+            process_group=group)
+        group = group or stack.processes[role].pid
     return stack

@@ -113,7 +113,7 @@ def test_coordinator_applies_the_default_gate_to_adaptive_requests_only() -> Non
             setattr(request.speculation, name, value)
         return validate(request, limits, None).draft_confidence
 
-    assert gate() == 0.0  # no speculation: the server's fixed default length, no gate
+    assert gate() == pytest.approx(0.4)  # no speculation: adaptive, so the default gate
     assert gate(num_draft_tokens=3) == 0.0
     assert gate(num_draft_tokens=3, adaptive=True) == pytest.approx(0.4)
     assert gate(num_draft_tokens=3, adaptive=True, draft_confidence=0.0) == 0.0

@@ -200,7 +200,6 @@ def write_costs(curves: list[object], out_dir: Path, command: str, threads: int)
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdec.bench.harness import run_bench, run_costs
 
     signal.signal(signal.SIGTERM, _interrupt)
     if args.report_from:  # measures nothing, so the measuring flags do not apply
@@ -209,6 +208,22 @@ def run(args: argparse.Namespace) -> int:
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
     settings = settings_from_args(args)
+    # The services it starts inherit these: traces beside its report (unless told where),
+    # metrics on any free ports, so a bench runs beside `specdec up`.
+    own = {name: value for name, value in (
+        ("SPECDEC_TRACE_DIR", str(Path(args.out).resolve() / "traces")),
+        ("SPECDEC_METRICS_PORT", "0")) if not os.environ.get(name)}
+    os.environ.update(own)
+    try:
+        return _measure(args, settings)
+    finally:
+        for name in own:
+            os.environ.pop(name, None)
+
+
+def _measure(args: argparse.Namespace, settings: Any) -> int:
+    from specdec.bench.harness import run_bench, run_costs
+
     argv = sys.argv[1:]
     command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
     if args.costs_only:

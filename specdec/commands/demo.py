@@ -12,7 +12,6 @@ costs).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -63,17 +62,18 @@ def run(args: argparse.Namespace) -> int:
     args.log_dir = str(log_dir)
     console.print(f"starting draft, target and coordinator (logs in {log_dir}) ...")
     # A throwaway stack: any free metrics ports, so it runs beside `specdec up`.
-    stack = start(args, env={"SPECDEC_METRICS_PORT": os.environ.get("SPECDEC_METRICS_PORT")
-                             or "0"})
+    if args.metrics_port is None:
+        args.metrics_port = 0
+    stack = start(args)
     try:
         endpoint = stack.endpoint("coordinator")
         for role in ("coordinator", "draft", "target"):
             console.print(f"  {role:<12} {stack.endpoint(role)}")
         adaptive = not args.fixed_length
         request = build_request(args.prompt, chat=True, max_new_tokens=args.max_new_tokens,
-                                num_draft_tokens=args.num_draft_tokens, adaptive=adaptive)
+                                num_draft_tokens=args.num_draft_tokens, fixed=not adaptive)
         warm_up = build_request(args.prompt, chat=True, max_new_tokens=8,
-                                num_draft_tokens=args.num_draft_tokens, adaptive=adaptive)
+                                num_draft_tokens=args.num_draft_tokens, fixed=not adaptive)
         call(endpoint, warm_up, stream=False, timeout_s=900)
         console.print(f"\n[bold]user:[/] {args.prompt}\n[bold]assistant:[/] ", end="")
         speculative = call(endpoint, request, stream=True, timeout_s=900,

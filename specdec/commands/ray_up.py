@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from specdec.telemetry.settings import add_telemetry_settings, trace_file_for
 
 if TYPE_CHECKING:
     from coordinator.endpoints import ReplicaEndpoints
-    from specdec.ray_replicas import Replicas
+    from specdec.ray_replicas import Replicas, ReplicaSpec
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,12 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError(f"cannot reach the Ray cluster at {args.ray_address!r}: {error} "
                            "(is `ray start` running there? see --ray-address)") from None
     try:
-        print(f"Ray cluster: {ray.cluster_resources().get('CPU', 0):g} CPUs, "
-              f"{ray.cluster_resources().get('GPU', 0):g} GPUs; starting "
+        resources = ray.cluster_resources()
+        print(f"Ray cluster: {resources.get('CPU', 0):g} CPUs, "
+              f"{resources.get('GPU', 0):g} GPUs; starting "
               f"{args.target_replicas} target and {args.draft_replicas} draft replicas",
               flush=True)
+        check_capacity(specs, resources)
         argv = [*service_args(args), *replica_telemetry_argv(args)]
         replicas = start_replicas(specs, argv, replica_env(), args.startup_timeout_s)
         try:
@@ -133,6 +136,24 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         ray.shutdown()  # disconnects; a local Ray started by this run also stops
+
+
+def check_capacity(specs: Sequence[ReplicaSpec], resources: Mapping[str, float]) -> None:
+    """Fail at once, with the arithmetic, when the cluster cannot hold every replica at
+    the same time (Ray would keep them pending until --startup-timeout-s)."""
+    for resource, flag, per_replica in (("CPU", "cpus", "num_cpus"),
+                                        ("GPU", "gpus", "num_gpus")):
+        terms = [(spec, getattr(spec, per_replica)) for spec in specs]
+        needed = sum(spec.count * each for spec, each in terms)
+        have = float(resources.get(resource, 0.0))
+        if needed <= have + 1e-9:
+            continue
+        sum_text = " + ".join(f"{spec.count} {spec.role} x {each:g}" for spec, each in terms
+                              if each)
+        flags = " / ".join(f"--{spec.role}-replica-{flag}" for spec, _ in terms)
+        raise RuntimeError(
+            f"the Ray cluster has {have:g} {resource}s but the replicas need {sum_text} = "
+            f"{needed:g}; lower {flags} (e.g. 0.5 each), run fewer replicas, or add nodes")
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:

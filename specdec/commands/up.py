@@ -1,23 +1,34 @@
-"""`specdec up`: draft, target and coordinator as local processes until Ctrl-C."""
+"""`specdec up`: draft, target and coordinator as local processes until stopped.
+
+The services stop whenever `up` does: Ctrl-C, SIGTERM, a closed terminal (SIGHUP), an
+error in `up`, or `up` killed outright (specdec.stack). Every port is checked before
+anything starts, and "ready" is printed only once this run's own three processes serve.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import time
 from pathlib import Path
 
 from specdec.commands.serve import DEFAULT_PORTS, add_service_settings
 from specdec.config import add_setting
-from specdec.settings import SERVICE_SETTINGS
-from specdec.stack import Stack, start_stack
+from specdec.settings import DEFAULT_METRICS_PORTS, SERVICE_SETTINGS
+from specdec.stack import Stack, check_ports_free, start_stack
+
+from specdec.telemetry.settings import add_telemetry_settings
+
+HOST = "127.0.0.1"
+ROLES = ("coordinator", "draft", "target")
 
 # Flags of `up` that are forwarded unchanged to each `specdec serve`.
 FORWARDED = tuple(name.replace("-", "_") for name in SERVICE_SETTINGS)
 
 
 def add_stack_settings(parser: argparse.ArgumentParser, default_ports: bool = True) -> None:
-    for role in ("coordinator", "draft", "target"):
+    for role in ROLES:
         default = DEFAULT_PORTS[role] if default_ports else 0
         add_setting(parser, f"--{role}-port", default,
                     f"{role} port (0 = any free port)", type=int)
@@ -26,6 +37,9 @@ def add_stack_settings(parser: argparse.ArgumentParser, default_ports: bool = Tr
     add_setting(parser, "--log-dir", "", "write each service's log to DIR/<role>.log "
                 "instead of this terminal")
     add_service_settings(parser)
+    # The flags `specdec serve` and `specdec ray` take; --metrics-port N here is the
+    # coordinator's, with the draft and target on N+1 and N+2.
+    add_telemetry_settings(parser)
 
 
 def service_args(args: argparse.Namespace) -> list[str]:
@@ -33,6 +47,33 @@ def service_args(args: argparse.Namespace) -> list[str]:
     for name in FORWARDED:
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
+
+
+def metrics_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Each role's metrics port: unset = the roles' defaults, -1 = off, 0 = any free
+    port, N = coordinator N, draft N+1, target N+2."""
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        return dict(DEFAULT_METRICS_PORTS)
+    if port <= 0:
+        return {role: port for role in ROLES}
+    return {role: port + offset for offset, role in enumerate(ROLES)}
+
+
+def telemetry_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Per role: the observability flags for its `specdec serve`."""
+    shared = ["--tracing", args.tracing, "--trace-tokens", args.trace_tokens,
+              "--trace-dir", str(Path(args.trace_dir).expanduser())]
+    if str(args.trace_file or "").lower() in {"none", "off", "-"}:
+        shared += ["--trace-file", "none"]  # a single path would mix three services' spans
+    return {role: [*shared, "--metrics-port", str(port)]
+            for role, port in metrics_ports(args).items()}
+
+
+def child_commands(args: argparse.Namespace) -> tuple[list[str], dict[str, list[str]]]:
+    """The flags every child gets, and each role's own: the one place `up` builds its
+    children's command lines."""
+    return service_args(args), telemetry_args(args)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,16 +84,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C does
+    raise KeyboardInterrupt  # SIGTERM and SIGHUP stop the stack like Ctrl-C does
+
+
+def say(text: str) -> None:
+    """Print, unless the terminal is gone (after SIGHUP): stopping must go on regardless."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
 
 
 def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
     # SIGINT explicitly too: a process started from a non-interactive shell's background
     # job inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-    ports = {role: getattr(args, f"{role}_port") for role in ("coordinator", "draft", "target")}
-    stack = start_stack("127.0.0.1", ports, service_args(args),
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    ports = {role: getattr(args, f"{role}_port") for role in ROLES}
+    shared, per_role = child_commands(args)
+    check_ports_free(HOST, {
+        **{f"{role} gRPC": port for role, port in ports.items()},
+        **{f"{role} metrics": port for role, port in metrics_ports(args).items()}})
+    stack = start_stack(HOST, ports, shared, role_args=per_role,
                         log_dir=Path(args.log_dir) if args.log_dir else None, env=env,
                         draft_after_target_s=args.startup_timeout_s)
     try:
@@ -65,18 +116,20 @@ def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
 
 def run(args: argparse.Namespace) -> int:
     stack = start(args)
-    for role in ("coordinator", "draft", "target"):
-        print(f"{role:<12} {stack.endpoint(role)}  (pid {stack.processes[role].pid})")
-    print(f"ready: specdec generate \"Hello\" --endpoint {stack.endpoint('coordinator')}   "
-          "(Ctrl-C stops all three)", flush=True)
     try:
+        for role in ROLES:
+            say(f"{role:<12} {stack.endpoint(role)}  (pid {stack.processes[role].pid})")
+        say("draft: ready (requests are speculative)" if stack.ready("draft") else
+            "draft: loading (requests run target-only until it is)")
+        say(f"ready: specdec generate \"Hello\" --endpoint {stack.endpoint('coordinator')}   "
+            "(Ctrl-C stops all three)")
         while not stack.dead():
             time.sleep(0.5)
-        print(f"stopping: {', '.join(stack.dead())} exited")
+        say("stopping: " + "; ".join(stack.failure(role) for role in stack.dead()))
         return 1
     except KeyboardInterrupt:
-        print("stopping...", flush=True)
+        say("stopping...")
         return 0
     finally:
         codes = stack.stop()
-        print("stopped: " + ", ".join(f"{role} exit {code}" for role, code in codes.items()))
+        say("stopped: " + ", ".join(f"{role} exit {code}" for role, code in codes.items()))

@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from specdec.telemetry.otlp_json import export_request
+from specdec.telemetry.settings import TRACE_FILE_MAX_MB
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ def spans_to_json_line(spans: Sequence[ReadableSpan],
 class JsonLinesSpanExporter(SpanExporter):
     """Appends each exported batch as one line; rotates to `<file>.1` past max_bytes."""
 
-    def __init__(self, path: str | Path, max_bytes: int = 100 * 1024 * 1024) -> None:
+    def __init__(self, path: str | Path,
+                 max_bytes: int = TRACE_FILE_MAX_MB * 1024 * 1024) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()

@@ -66,7 +66,8 @@ class Telemetry:
             logger.info("%s: tracing on, file %s", role, trace_file or "(none)")
         port = metrics_port_for(args, role)
         if serve_metrics and port >= 0:
-            telemetry.serve_metrics(port)
+            # Where the service listens: a service on 127.0.0.1 keeps its metrics local too.
+            telemetry.serve_metrics(port, getattr(args, "host", "") or "0.0.0.0")
         return telemetry
 
     @property
@@ -77,10 +78,11 @@ class Telemetry:
         try:
             self.metrics_port = start_metrics_server(port, self.registry, addr)
         except OSError as error:  # reported by the CLI as a one-line error, not a traceback
-            raise RuntimeError(f"{self.role}: cannot serve metrics on port {port}: {error} "
+            raise RuntimeError(f"{self.role}: cannot serve metrics on {addr}:{port}: {error} "
                                "(set --metrics-port / SPECDEC_METRICS_PORT; -1 turns it off)"
                                ) from None
-        logger.info("%s: Prometheus metrics on :%d/metrics", self.role, self.metrics_port)
+        logger.info("%s: Prometheus metrics on %s:%d/metrics", self.role, addr,
+                    self.metrics_port)
         return self.metrics_port
 
     # -- gRPC ----------------------------------------------------------------------------

@@ -15,7 +15,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdec.settings import DEFAULT_METRICS_PORTS, TELEMETRY_SETTINGS, add_settings, default
+from specdec.settings import (
+    DEFAULT_METRICS_PORTS,
+    TELEMETRY_SETTINGS,
+    TRACE_FILE_MAX_MB,
+    _default_trace_dir,
+    add_settings,
+    default,
+)
+
+__all__ = ["TRACE_FILE_MAX_MB", "default_trace_dir"]
+
+default_trace_dir = _default_trace_dir
 
 DEFAULT_TRACE_DIR: str = default("trace-dir")
 

@@ -1,0 +1,84 @@
+"""What a request's `speculation` means: adaptive by default, target-only reachable,
+meaningless combinations rejected (coordinator.validation, then over real gRPC)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from service_harness import Services
+from tiny_models import tiny_llama
+
+from coordinator.servicer import CoordinatorSettings
+from coordinator.validation import Limits, validate
+from specdec.errors import InvalidRequest
+from specdec.proto.specdec.v1 import coordinator_pb2
+
+LIMITS = Limits(64, 256, 100, 16, 5, default_draft_confidence=0.4)
+
+
+def request(**speculation: object) -> coordinator_pb2.GenerateRequest:
+    message = coordinator_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=4)
+    for name, value in speculation.items():
+        setattr(message.speculation, name, value)
+    return message
+
+
+def mode(**speculation: object) -> tuple[int, bool]:
+    valid = validate(request(**speculation), LIMITS, None)
+    return valid.num_draft_tokens, valid.adaptive
+
+
+def test_no_speculation_is_adaptive_from_the_default_length() -> None:
+    assert mode() == (5, True)
+
+
+def test_adaptive_alone_starts_from_the_default_length() -> None:
+    # The reported fault: {"adaptive": true} ran target-only (length 0).
+    assert mode(adaptive=True) == (5, True)
+    assert mode(adaptive=True, num_draft_tokens=3) == (3, True)
+
+
+def test_a_length_without_adaptive_is_fixed_and_zero_is_target_only() -> None:
+    assert mode(num_draft_tokens=3) == (3, False)
+    assert mode(num_draft_tokens=0) == (0, False)
+    assert mode(num_draft_tokens=0, num_alternatives=0) == (0, False)
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(num_draft_tokens=-1), "speculation.num_draft_tokens"),
+    (dict(num_draft_tokens=-1, adaptive=True), "speculation.num_draft_tokens"),
+    (dict(num_draft_tokens=17, adaptive=True), "speculation.num_draft_tokens"),
+    (dict(draft_confidence=0.3), "speculation.draft_confidence"),
+    (dict(num_alternatives=2), "speculation.num_alternatives"),
+    (dict(prompt_lookup_tokens=4), "speculation.prompt_lookup_tokens"),
+])
+def test_meaningless_speculation_is_rejected_naming_the_field(
+        fields: dict[str, object], named: str) -> None:
+    with pytest.raises(InvalidRequest, match=named):
+        validate(request(**fields), LIMITS, None)
+
+
+@pytest.fixture(scope="module")
+def services() -> Iterator[Services]:
+    torch.set_num_threads(1)
+    stack = Services(tiny_llama(16, seed=2, layers=1), tiny_llama(16, seed=1),
+                     settings=CoordinatorSettings(num_draft_tokens=3))
+    yield stack
+    stack.close()
+
+
+def test_over_grpc_the_default_drafts_and_target_only_does_not(services: Services) -> None:
+    default = services.stub.Generate(coordinator_pb2.GenerateRequest(
+        prompt_token_ids=[1, 2, 3], max_new_tokens=12), timeout=30)
+    assert default.stats.draft_tokens > 0
+    adaptive = services.stub.Generate(request(adaptive=True), timeout=30)
+    assert adaptive.stats.draft_tokens > 0
+    target_only = services.stub.Generate(request(num_draft_tokens=0), timeout=30)
+    assert target_only.stats.draft_tokens == 0 and target_only.stats.rounds > 0
+    with pytest.raises(grpc.RpcError) as error:
+        services.stub.Generate(request(num_alternatives=1), timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "target-only" in (error.value.details() or "")

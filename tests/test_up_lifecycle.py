@@ -1,0 +1,166 @@
+"""`specdec up` as a user's terminal sees it: its services live exactly as long as it
+does, and a second `up` on the same ports fails at once instead of claiming "ready"."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import save_tiny_pair
+
+from specdec.stack import check_ports_free, free_port, last_error_line
+
+SPECDEC = [sys.executable, "-m", "specdec.cli"]
+ENV = {**os.environ, "SPECDEC_TORCH_THREADS": "1", "SPECDEC_TRACING": "off"}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    torch.set_num_threads(1)
+    return save_tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+def up_command(pair: tuple[Path, Path], ports: dict[str, int], metrics_port: int,
+               log_dir: Path) -> list[str]:
+    target, draft = pair
+    return [*SPECDEC, "up", "--target-model", str(target), "--draft-model", str(draft),
+            "--draft-dtype", "float32", "--draft-linear-kernel", "torch",
+            "--metrics-port", str(metrics_port), "--log-dir", str(log_dir),
+            "--startup-timeout-s", "180",
+            *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))]
+
+
+def wait_ready(process: subprocess.Popen[str]) -> tuple[list[str], dict[str, int]]:
+    """Read `up`'s lines until "ready"; return them and the children's pids."""
+    assert process.stdout is not None
+    lines: list[str] = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("ready"):
+            break
+    assert lines and lines[-1].startswith("ready"), "".join(lines)
+    pids = {match[1]: int(match[2]) for line in lines
+            if (match := re.match(r"(\w+)\s+\S+\s+\(pid (\d+)\)", line))}
+    assert set(pids) == {"coordinator", "draft", "target"}, lines
+    return lines, pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie nobody reaped yet has exited
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: dict[str, int], timeout_s: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [role for role, pid in pids.items() if alive(pid)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [role for role, pid in pids.items() if alive(pid)]
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports() -> tuple[dict[str, int], int]:
+    """Three gRPC ports and a run of three free metrics ports (N, N+1, N+2)."""
+    ports = {role: free_port() for role in ("coordinator", "draft", "target")}
+    for _ in range(50):
+        base = free_port()
+        if all(bindable(base + i) for i in range(3)) and base + 2 < 65536 \
+                and not set(range(base, base + 3)) & set(ports.values()):
+            return ports, base
+    raise AssertionError("no run of three free ports")
+
+
+@pytest.fixture
+def stack(tiny_pair: tuple[Path, Path], tmp_path: Path
+          ) -> Iterator[tuple[subprocess.Popen[str], dict[str, int], int, dict[str, int]]]:
+    ports, metrics = free_ports()
+    process = subprocess.Popen(up_command(tiny_pair, ports, metrics, tmp_path / "logs"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=ENV)
+    try:
+        _, pids = wait_ready(process)
+        yield process, ports, metrics, pids
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=60)
+        for pid in pids.values() if "pids" in locals() else ():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sighup_stops_every_child_and_frees_the_ports(
+        stack: tuple[subprocess.Popen[str], dict[str, int], int, dict[str, int]],
+        tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    process, ports, metrics, pids = stack
+    # A second `up` on the same ports: an error naming the port, before loading anything.
+    started = time.monotonic()
+    second = subprocess.run(up_command(tiny_pair, ports, metrics, tmp_path / "second"),
+                            capture_output=True, text=True, timeout=120, env=ENV)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert "ready" not in second.stdout
+    assert f"coordinator gRPC port {ports['coordinator']} on 127.0.0.1 is in use" in \
+        second.stderr
+    assert f"pid {pids['coordinator']}" in second.stderr  # who holds it
+    assert len(second.stderr.strip().splitlines()) == 1 and "Traceback" not in second.stderr
+    assert time.monotonic() - started < 60  # no model was loaded: far under a stack's start
+    assert not (tmp_path / "second").exists()
+
+    # A closed terminal: SIGHUP to `up` only.
+    process.send_signal(signal.SIGHUP)
+    process.wait(timeout=120)
+    assert wait_gone(pids) == []
+    used = [*ports.values(), metrics, metrics + 1, metrics + 2]
+    assert [port for port in used if not bindable(port)] == []
+
+
+def test_children_stop_when_up_is_killed_outright(
+        stack: tuple[subprocess.Popen[str], dict[str, int], int, dict[str, int]]) -> None:
+    process, ports, _, pids = stack
+    process.kill()  # SIGKILL: no handler of `up` runs; the kernel's PR_SET_PDEATHSIG does
+    process.wait(timeout=60)
+    assert wait_gone(pids) == []
+    assert [port for port in ports.values() if not bindable(port)] == []
+
+
+def test_a_port_in_use_is_named_with_its_holder() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"target metrics port {port} on 127.0.0.1 "
+                           rf"is in use, held by pid {os.getpid()}"):
+            check_ports_free("127.0.0.1", {"target gRPC": 0, "target metrics": port})
+
+
+def test_last_error_line_finds_the_cause(tmp_path: Path) -> None:
+    log = tmp_path / "coordinator.log"
+    log.write_text("loading\nTraceback (most recent call last):\n  File x\n"
+                   "RuntimeError: coordinator: cannot serve metrics on 127.0.0.1:9464\n")
+    assert last_error_line(log).startswith("RuntimeError: coordinator: cannot serve metrics")
