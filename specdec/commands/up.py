@@ -17,7 +17,6 @@ from specdec.commands.serve import DEFAULT_PORTS, add_service_settings
 from specdec.config import add_setting
 from specdec.settings import DEFAULT_METRICS_PORTS, SERVICE_SETTINGS
 from specdec.stack import Stack, check_ports_free, start_stack
-
 from specdec.telemetry.settings import add_telemetry_settings
 
 HOST = "127.0.0.1"
