@@ -49,6 +49,23 @@ def add_model_settings(parser: argparse.ArgumentParser,
     add_setting(parser, "--kv-budget-mb", 2048, "KV cache memory budget per model (MiB)", type=int)
 
 
+# Continuous batching in the draft and target services (specdec.model_service).
+DEFAULT_MAX_BATCH_SESSIONS = 32
+DEFAULT_MAX_BATCH_ROWS = 256
+DEFAULT_MAX_BATCH_PREFILLS = 1
+
+
+def add_batching_settings(parser: argparse.ArgumentParser) -> None:
+    add_setting(parser, "--max-batch-sessions", DEFAULT_MAX_BATCH_SESSIONS,
+                "draft/target: most sessions whose calls share one forward", type=int)
+    add_setting(parser, "--max-batch-rows", DEFAULT_MAX_BATCH_ROWS,
+                "draft/target: most token rows of one batched forward (the runner also "
+                "splits above its measured row-invariance cap)", type=int)
+    add_setting(parser, "--max-batch-prefills", DEFAULT_MAX_BATCH_PREFILLS,
+                "draft/target: long catch-ups (a new session's prompt) run on their own "
+                "between decode batches, at most this many after each", type=int)
+
+
 def add_kernel_settings(parser: argparse.ArgumentParser) -> None:
     from specdec.attention import ATTENTION_KERNELS
     from specdec.kernels import KERNELS

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdec.attention import MAX_QUERY_ROWS, ROWWISE_NAME
-from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
+from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
 from specdec.vocab import VocabAdapter
@@ -49,6 +49,21 @@ class ExtendResult:
     tokens_processed: int
     # [hidden_rows, hidden] final-norm outputs of the last hidden_rows tokens, if asked
     hidden: torch.Tensor | None = None
+
+
+# BEGIN batch-serve placeholder: branch batch-model defines ExtendRequest and a packed
+# extend_batch; this loop over extend keeps the same contract until that merge replaces it.
+@dataclass(frozen=True)
+class ExtendRequest:
+    session_id: str
+    committed_position: int
+    fingerprint: int
+    tokens: list[int]
+    num_logits: int = 1
+    hidden_rows: int = 0
+    target_hidden: torch.Tensor | None = None
+    branch_positions: tuple[int, ...] = ()
+# END batch-serve placeholder
 
 
 class ModelRunner:
@@ -190,6 +205,21 @@ class ModelRunner:
             session.history.extend(tokens[:chain_length])
             return ExtendResult(logits[-num_logits:], len(session.history), forward_s,
                                 len(tokens), hidden)
+
+    # BEGIN batch-serve placeholder (see ExtendRequest)
+    def extend_batch(self, requests: Sequence[ExtendRequest]
+                     ) -> list[ExtendResult | SpecdecError]:
+        results: list[ExtendResult | SpecdecError] = []
+        for r in requests:
+            try:
+                results.append(self.extend(r.session_id, r.committed_position, r.fingerprint,
+                                           r.tokens, r.num_logits, hidden_rows=r.hidden_rows,
+                                           target_hidden=r.target_hidden,
+                                           branch_positions=r.branch_positions))
+            except SpecdecError as error:
+                results.append(error)
+        return results
+    # END batch-serve placeholder
 
     def append(self, session_id: str, tokens: list[int], *, hidden_rows: int = 0,
                target_hidden: torch.Tensor | None = None) -> ExtendResult:

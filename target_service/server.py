@@ -10,7 +10,7 @@ import grpc
 
 from specdec.config import apply_torch_settings
 from specdec.grpc_server import ServerHandle
-from specdec.model_service import load_runner, start_model_server
+from specdec.model_service import BatchLimits, load_runner, start_model_server
 from specdec.telemetry.service import Telemetry
 from target_service.servicer import TargetServicer
 
@@ -24,5 +24,5 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
                          attention_kernel=args.attention_kernel)
     servicer = TargetServicer(runner, session_ttl_s=args.session_ttl_s,
                               max_draft_tokens=args.max_draft_tokens, telemetry=telemetry,
-                              executor=executor)
+                              executor=executor, limits=BatchLimits.from_args(args))
     return start_model_server(servicer, args, interceptors, telemetry)

@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE
-from specdec.config import add_model_settings, add_setting
+from specdec.config import add_batching_settings, add_model_settings, add_setting
 from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.settings import add_telemetry_settings
@@ -22,6 +22,7 @@ def add_service_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--session-ttl-s", 600.0,
                 "release a session's KV cache after this long without calls", type=float)
     add_setting(parser, "--max-workers", 32, "gRPC server threads", type=int)
+    add_batching_settings(parser)
     add_setting(parser, "--max-draft-tokens", 16,
                 "most tokens drafted per round (a request asking more is rejected)", type=int)
     add_setting(parser, "--num-draft-tokens", 4,
