@@ -35,5 +35,6 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
                             kv_budget_mb=args.kv_budget_mb)
     servicer = DraftServicer(runner, session_ttl_s=args.session_ttl_s,
                              max_draft_tokens=args.max_draft_tokens, telemetry=telemetry,
-                             precision=choice.describe(), executor=executor, limits=BatchLimits.from_args(args))
+                             precision=choice.describe(), executor=executor,
+                             limits=BatchLimits.from_args(args))
     return start_model_server(servicer, args, interceptors, telemetry)
