@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdec.attention import MAX_QUERY_ROWS, ROWWISE_NAME
-from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
+from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
 from specdec.vocab import VocabAdapter
@@ -39,6 +39,29 @@ class Session:
                 if isinstance(tensor, torch.Tensor):
                     total += tensor.numel() * tensor.element_size()
         return total
+
+
+@dataclass(frozen=True)
+class ExtendRequest:
+    """One session's extend (the arguments of `ModelRunner.extend`)."""
+
+    session_id: str
+    committed_position: int
+    fingerprint: int
+    tokens: list[int]
+    num_logits: int = 1
+    hidden_rows: int = 0
+    target_hidden: torch.Tensor | None = None  # [len(tokens), target hidden]
+    branch_positions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A request that passed its checks, with its session rolled back to its position."""
+
+    index: int
+    request: ExtendRequest
+    session: Session
 
 
 @dataclass(frozen=True)
@@ -102,22 +125,6 @@ class ModelRunner:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
 
-    def _evict_for(self, keep: str, incoming_tokens: int) -> None:
-        if self.kv_budget_bytes is None:
-            return
-        current = self._sessions.get(keep)
-        held = current.kv_bytes() if current else 0
-        needed = incoming_tokens * self._bytes_per_token()
-        if held + needed > self.kv_budget_bytes:
-            # Evicting others cannot help, so refuse before touching anyone's cache.
-            raise KVBudgetExhausted(
-                f"KV cache budget of {self.kv_budget_bytes} bytes cannot hold this session "
-                f"({held} bytes held + {needed} bytes for {incoming_tokens} new tokens); "
-                "raise SPECDEC_KV_BUDGET_MB or shorten the request")
-        while self.total_kv_bytes() + needed > self.kv_budget_bytes:
-            victim = next(sid for sid in self._sessions if sid != keep)  # least recently used
-            del self._sessions[victim]
-
     def _bytes_per_token(self) -> int:
         config = self.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -143,53 +150,12 @@ class ModelRunner:
         tokens hold there). Branches get logits like any row and leave the cache after
         the forward; the session then holds the other tokens.
         """
-        if not tokens:
-            raise InvalidRequest("extend needs at least one new token")
-        chain_length = len(tokens) - len(branch_positions)
-        if chain_length < 1 or any(not committed_position < position
-                                   <= committed_position + chain_length
-                                   for position in branch_positions):
-            raise InvalidRequest(
-                f"branch positions {list(branch_positions)} must lie in "
-                f"({committed_position}, {committed_position + chain_length}] after at "
-                "least one token of the chain")
-        if not 1 <= num_logits <= len(tokens):
-            raise InvalidRequest(f"num_logits must be in [1, {len(tokens)}], got {num_logits}")
-        if not 0 <= hidden_rows <= len(tokens):
-            raise InvalidRequest(f"hidden_rows must be in [0, {len(tokens)}], got {hidden_rows}")
-        if self.needs_target_hidden:
-            if target_hidden is None or tuple(target_hidden.shape) != (len(tokens),
-                                                                        self.target_hidden_size):
-                shape = None if target_hidden is None else tuple(target_hidden.shape)
-                raise InvalidRequest(
-                    f"this draft reads the target's hidden states: expected "
-                    f"[{len(tokens)}, {self.target_hidden_size}] for {len(tokens)} tokens, "
-                    f"got {shape}")
-        elif target_hidden is not None:
-            raise InvalidRequest("target hidden states given to a model that does not read them")
-        with self._lock:
-            session = self._checked_session(session_id, committed_position, fingerprint)
-            new_length = committed_position + len(tokens)
-            if new_length > self.max_context:
-                raise InvalidRequest(
-                    f"sequence of {new_length} tokens exceeds the model context of "
-                    f"{self.max_context}")
-            self._evict_for(session_id, len(tokens))
-            if session is None:
-                session = Session()
-                self._sessions[session_id] = session
-            self._sessions.move_to_end(session_id)
-            session.last_used = time.monotonic()
-            if session.cache is not None and len(session.history) > committed_position:
-                session.cache.crop(committed_position - len(session.history))
-            session.history.truncate(committed_position)
-            started = time.perf_counter()
-            logits, hidden = self._forward(session, tokens, num_logits, hidden_rows,
-                                           target_hidden, branch_positions)
-            forward_s = time.perf_counter() - started
-            session.history.extend(tokens[:chain_length])
-            return ExtendResult(logits[-num_logits:], len(session.history), forward_s,
-                                len(tokens), hidden)
+        result = self.extend_batch([ExtendRequest(
+            session_id, committed_position, fingerprint, list(tokens), num_logits,
+            hidden_rows, target_hidden, tuple(branch_positions))])[0]
+        if isinstance(result, SpecdecError):
+            raise result
+        return result
 
     def append(self, session_id: str, tokens: list[int], *, hidden_rows: int = 0,
                target_hidden: torch.Tensor | None = None) -> ExtendResult:
@@ -202,13 +168,169 @@ class ModelRunner:
             return self.extend(session_id, held, session.history.fingerprint(), tokens,
                                hidden_rows=hidden_rows, target_hidden=target_hidden)
 
-    def _checked_session(self, session_id: str, committed_position: int,
-                         fingerprint: int) -> Session | None:
-        session = self._sessions.get(session_id)
-        if committed_position == 0:
-            if session is not None:
+    def extend_batch(self, requests: Sequence[ExtendRequest]
+                     ) -> list[ExtendResult | SpecdecError]:
+        """What `extend` does for each request, with every request's rows in one forward.
+
+        Each request's new rows run at their own positions over their own session's
+        cache. Results come back in request order; a request that fails validation
+        (CacheSyncError, InvalidRequest, KVBudgetExhausted) gets its error in its slot,
+        is left out of the forward and leaves every cache as it was. Two requests for one
+        session are a caller bug: the second is refused.
+        """
+        results: list[ExtendResult | SpecdecError | None] = [None] * len(requests)
+        with self._lock:
+            admitted = self._admit(requests, results)
+            if admitted:
+                self._run(admitted, results)
+        return [result for result in results if result is not None]
+
+    def _validate(self, request: ExtendRequest) -> None:
+        tokens, committed_position = request.tokens, request.committed_position
+        if not tokens:
+            raise InvalidRequest("extend needs at least one new token")
+        if committed_position < 0:
+            raise InvalidRequest(f"committed position must be >= 0, got {committed_position}")
+        chain_length = len(tokens) - len(request.branch_positions)
+        if chain_length < 1 or any(not committed_position < position
+                                   <= committed_position + chain_length
+                                   for position in request.branch_positions):
+            raise InvalidRequest(
+                f"branch positions {list(request.branch_positions)} must lie in "
+                f"({committed_position}, {committed_position + chain_length}] after at "
+                "least one token of the chain")
+        if not 1 <= request.num_logits <= len(tokens):
+            raise InvalidRequest(
+                f"num_logits must be in [1, {len(tokens)}], got {request.num_logits}")
+        if not 0 <= request.hidden_rows <= len(tokens):
+            raise InvalidRequest(
+                f"hidden_rows must be in [0, {len(tokens)}], got {request.hidden_rows}")
+        target_hidden = request.target_hidden
+        if self.needs_target_hidden:
+            if target_hidden is None or tuple(target_hidden.shape) != (len(tokens),
+                                                                        self.target_hidden_size):
+                shape = None if target_hidden is None else tuple(target_hidden.shape)
+                raise InvalidRequest(
+                    f"this draft reads the target's hidden states: expected "
+                    f"[{len(tokens)}, {self.target_hidden_size}] for {len(tokens)} tokens, "
+                    f"got {shape}")
+        elif target_hidden is not None:
+            raise InvalidRequest("target hidden states given to a model that does not read them")
+        new_length = committed_position + len(tokens)
+        if new_length > self.max_context:
+            raise InvalidRequest(
+                f"sequence of {new_length} tokens exceeds the model context of "
+                f"{self.max_context}")
+
+    def _admit(self, requests: Sequence[ExtendRequest],
+               results: list[ExtendResult | SpecdecError | None]) -> list[_Admitted]:
+        """Check every request, fit the survivors in the KV budget (evicting LRU sessions
+        outside the batch), then roll their sessions back. Nothing is touched until a
+        request has passed every check."""
+        checked: list[tuple[int, ExtendRequest, Session | None]] = []
+        seen: set[str] = set()
+        per_token = self._bytes_per_token()
+        for index, request in enumerate(requests):
+            try:
+                if request.session_id in seen:
+                    raise InvalidRequest(
+                        f"session {request.session_id!r} appears twice in one batch; a "
+                        "session runs one extend at a time")
+                seen.add(request.session_id)
+                self._validate(request)
+                session = self._checked_session(request.session_id,
+                                                request.committed_position, request.fingerprint)
+                if self.kv_budget_bytes is not None:
+                    held = session.kv_bytes() if session is not None else 0
+                    needed = len(request.tokens) * per_token
+                    if min(held, request.committed_position * per_token) + needed \
+                            > self.kv_budget_bytes:
+                        # Evicting others cannot help, so refuse before touching any cache.
+                        raise KVBudgetExhausted(
+                            f"KV cache budget of {self.kv_budget_bytes} bytes cannot hold "
+                            f"this session ({held} bytes held + {needed} bytes for "
+                            f"{len(request.tokens)} new tokens); raise SPECDEC_KV_BUDGET_MB "
+                            "or shorten the request")
+            except SpecdecError as error:
+                results[index] = error
+                continue
+            checked.append((index, request, session))
+        checked = self._fit_budget(checked, results, per_token)
+        admitted: list[_Admitted] = []
+        for index, request, maybe_session in checked:
+            session = maybe_session
+            if session is None:
+                session = Session()
+                self._sessions[request.session_id] = session
+            elif request.committed_position == 0:
                 session.history.truncate(0)
                 session.cache = None
+            self._sessions.move_to_end(request.session_id)
+            session.last_used = time.monotonic()
+            if session.cache is not None and len(session.history) > request.committed_position:
+                session.cache.crop(request.committed_position - len(session.history))
+            session.history.truncate(request.committed_position)
+            admitted.append(_Admitted(index, request, session))
+        return admitted
+
+    def _fit_budget(self, checked: list[tuple[int, ExtendRequest, Session | None]],
+                    results: list[ExtendResult | SpecdecError | None], per_token: int
+                    ) -> list[tuple[int, ExtendRequest, Session | None]]:
+        """Evict least recently used sessions outside the batch until the batch's sessions
+        fit after the forward; requests that still do not fit (the batch's own sessions
+        exceed the budget together) are refused, last first."""
+        if self.kv_budget_bytes is None or not checked:
+            return checked
+        budget = self.kv_budget_bytes
+        in_batch = {request.session_id for _, request, _ in checked}
+
+        def batch_bytes(entries: list[tuple[int, ExtendRequest, Session | None]]) -> int:
+            return sum((request.committed_position + len(request.tokens)) * per_token
+                       for _, request, _ in entries)
+
+        def others_bytes() -> int:
+            return sum(session.kv_bytes() for session_id, session in self._sessions.items()
+                       if session_id not in in_batch)
+
+        need = batch_bytes(checked)
+        while others_bytes() + need > budget:
+            victim = next((sid for sid in self._sessions if sid not in in_batch), None)
+            if victim is None:
+                break
+            del self._sessions[victim]
+        while len(checked) > 1 and batch_bytes(checked) > budget:
+            index, request, _ = checked.pop()
+            results[index] = KVBudgetExhausted(
+                f"KV cache budget of {budget} bytes cannot hold this session beside the "
+                f"{len(checked)} others sharing its forward; retry, or raise "
+                "SPECDEC_KV_BUDGET_MB")
+        return checked
+
+    def _run(self, admitted: list[_Admitted],
+             results: list[ExtendResult | SpecdecError | None]) -> None:
+        for entry in admitted:
+            request, session = entry.request, entry.session
+            started = time.perf_counter()
+            try:
+                logits, hidden = self._forward(session, request.tokens, request.num_logits,
+                                               request.hidden_rows, request.target_hidden,
+                                               request.branch_positions)
+            except BaseException:
+                self._sessions.pop(request.session_id, None)  # its cache is in doubt
+                raise
+            forward_s = time.perf_counter() - started
+            chain_length = len(request.tokens) - len(request.branch_positions)
+            session.history.extend(request.tokens[:chain_length])
+            results[entry.index] = ExtendResult(
+                logits[-request.num_logits:], len(session.history), forward_s,
+                len(request.tokens), hidden)
+
+    def _checked_session(self, session_id: str, committed_position: int,
+                         fingerprint: int) -> Session | None:
+        """The session a request names, if its cache holds the named prefix (position 0:
+        any or none, to be restarted). Changes nothing."""
+        session = self._sessions.get(session_id)
+        if committed_position == 0:
             return session
         if session is None:
             raise CacheSyncError(
