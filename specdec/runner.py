@@ -13,11 +13,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdec.attention import MAX_QUERY_ROWS, ROWWISE_NAME
+from specdec.attention import MAX_QUERY_ROWS, NAME, PACKING_KWARG, ROWWISE_NAME, PackedBatch
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
@@ -64,6 +65,33 @@ class _Admitted:
     session: Session
 
 
+@dataclass
+class _Job:
+    """An admitted request on its way through one or more forwards."""
+
+    entry: _Admitted
+    start: int  # tokens the session holds before this extend
+    positions: list[int]  # each new token's absolute position
+    chain_length: int  # tokens that stay (the rest are token-tree branches)
+    pieces: list[tuple[int, int]]  # its forwards, as [begin, end) token ranges
+    logits: list[torch.Tensor] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)
+    forward_s: float = 0.0
+
+    @staticmethod
+    def rows(piece: tuple[int, int]) -> int:
+        return piece[1] - piece[0]
+
+    def logit_rows(self, piece: tuple[int, int]) -> int:
+        """How many of the piece's rows are among the request's last num_logits."""
+        first = len(self.entry.request.tokens) - self.entry.request.num_logits
+        return max(0, piece[1] - max(piece[0], first))
+
+    def target_hidden(self, piece: tuple[int, int]) -> torch.Tensor | None:
+        target_hidden = self.entry.request.target_hidden
+        return None if target_hidden is None else target_hidden[piece[0]:piece[1]]
+
+
 @dataclass(frozen=True)
 class ExtendResult:
     logits: torch.Tensor  # [num_logits, usable_rows] fp32, model space
@@ -92,6 +120,8 @@ class ModelRunner:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.needs_target_hidden = is_feature_draft(model)
         self._row_invariant = getattr(config, "_attn_implementation", None) == ROWWISE_NAME
+        # The most rows one packed forward holds (None: no limit here).
+        self.max_batch_rows: int | None = None
         self.target_hidden_size = int(getattr(model.config, TARGET_HIDDEN_SIZE_KEY, 0)
                                       if self.needs_target_hidden else 0)
 
@@ -308,22 +338,128 @@ class ModelRunner:
 
     def _run(self, admitted: list[_Admitted],
              results: list[ExtendResult | SpecdecError | None]) -> None:
-        for entry in admitted:
-            request, session = entry.request, entry.session
-            started = time.perf_counter()
-            try:
-                logits, hidden = self._forward(session, request.tokens, request.num_logits,
-                                               request.hidden_rows, request.target_hidden,
-                                               request.branch_positions)
-            except BaseException:
-                self._sessions.pop(request.session_id, None)  # its cache is in doubt
-                raise
-            forward_s = time.perf_counter() - started
-            chain_length = len(request.tokens) - len(request.branch_positions)
-            session.history.extend(request.tokens[:chain_length])
-            results[entry.index] = ExtendResult(
-                logits[-request.num_logits:], len(session.history), forward_s,
-                len(request.tokens), hidden)
+        """The admitted requests' forwards: each session's prefill pieces alone, then
+        the sessions' decode-sized rows packed into as few forwards as the row cap
+        allows (whole sessions per forward)."""
+        jobs = [self._job(entry) for entry in admitted]
+        packable = len(jobs) > 1 and self.can_pack()
+        batched: list[_Job] = []
+        try:
+            with torch.inference_mode():
+                for job in jobs:
+                    join = packable and job.rows(job.pieces[-1]) <= MAX_QUERY_ROWS
+                    for piece in job.pieces[:-1] if join else job.pieces:
+                        self._run_alone(job, piece)
+                    if join:
+                        batched.append(job)
+                for group in self._groups(batched):
+                    if len(group) == 1:
+                        self._run_alone(group[0], group[0].pieces[-1])
+                    else:
+                        self._run_packed(group)
+        except BaseException:
+            for job in jobs:  # a forward failed part-way: these caches are in doubt
+                self._sessions.pop(job.entry.request.session_id, None)
+            raise
+        for job in jobs:
+            results[job.entry.index] = self._finish(job)
+
+    def can_pack(self) -> bool:
+        """Whether several sessions' rows can share a forward: the model's attention is
+        one of specdec's kernels (they read the packed layout); otherwise extend_batch
+        runs one forward per session."""
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        return implementation in (NAME, ROWWISE_NAME)
+
+    def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
+        """Consecutive jobs, whole, in forwards of at most max_batch_rows rows."""
+        groups: list[list[_Job]] = []
+        rows = 0
+        for job in jobs:
+            count = job.rows(job.pieces[-1])
+            if not groups or (self.max_batch_rows is not None
+                              and rows + count > self.max_batch_rows):
+                groups.append([])
+                rows = 0
+            groups[-1].append(job)
+            rows += count
+        return groups
+
+    def _job(self, entry: _Admitted) -> _Job:
+        request, session = entry.request, entry.session
+        if session.cache is None:
+            session.cache = DynamicCache(config=self.model.config)
+        start = len(session.history)
+        chain_length = len(request.tokens) - len(request.branch_positions)
+        positions = list(range(start, start + chain_length)) + list(request.branch_positions)
+        return _Job(entry, start, positions, chain_length,
+                    self._pieces(len(request.tokens), request.num_logits))
+
+    def _run_alone(self, job: _Job, piece: tuple[int, int]) -> None:
+        request = job.entry.request
+        begin, end = piece
+        piece_logits = job.logit_rows(piece)
+        started = time.perf_counter()
+        out, states = self._model_forward(
+            job.entry.session.cache, request.tokens[begin:end], job.positions[begin:end],
+            max(1, piece_logits), bool(request.hidden_rows), job.target_hidden(piece),
+            self._tree_mask(job.positions, job.start, begin, end, job.chain_length))
+        job.forward_s += time.perf_counter() - started
+        if piece_logits > 0:
+            job.logits.append(out[-piece_logits:])
+        if states is not None:
+            job.states.append(states)
+
+    def _run_packed(self, jobs: list[_Job]) -> None:
+        tokens: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        hidden: list[torch.Tensor] = []
+        masks: list[torch.Tensor | None] = []
+        for job in jobs:
+            begin, end = piece = job.pieces[-1]
+            keep.extend(range(len(tokens) + job.rows(piece) - job.logit_rows(piece),
+                              len(tokens) + job.rows(piece)))
+            tokens.extend(job.entry.request.tokens[begin:end])
+            positions.extend(job.positions[begin:end])
+            piece_hidden = job.target_hidden(piece)
+            if piece_hidden is not None:
+                hidden.append(piece_hidden)
+            masks.append(self._tree_mask(job.positions, job.start, begin, end,
+                                         job.chain_length))
+        packed = PackedBatch([job.entry.session.cache for job in jobs],
+                             [job.rows(job.pieces[-1]) for job in jobs], masks)
+        capture = any(job.entry.request.hidden_rows for job in jobs)
+        started = time.perf_counter()
+        out, states = self._model_forward(
+            packed, tokens, positions, torch.tensor(keep, device=self.device), capture,
+            torch.cat(hidden) if hidden else None,
+            # A 4-D mask is used as given, so transformers builds none: each sequence's
+            # attention builds its own from the packed layout.
+            torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=self.device),
+            {PACKING_KWARG: packed})
+        forward_s = time.perf_counter() - started
+        row = logit = 0
+        for job in jobs:
+            piece = job.pieces[-1]
+            rows, logit_rows = job.rows(piece), job.logit_rows(piece)
+            job.logits.append(out[logit:logit + logit_rows])
+            if states is not None and job.entry.request.hidden_rows:
+                job.states.append(states[row:row + rows])
+            job.forward_s += forward_s
+            row += rows
+            logit += logit_rows
+
+    def _finish(self, job: _Job) -> ExtendResult:
+        request, session = job.entry.request, job.entry.session
+        if request.branch_positions and session.cache is not None:
+            session.cache.crop(-len(request.branch_positions))
+        session.history.extend(request.tokens[:job.chain_length])
+        logits = self.vocab.restrict(torch.cat(job.logits)).float()
+        hidden = (torch.cat(job.states)[-request.hidden_rows:].float()
+                  if request.hidden_rows else None)
+        return ExtendResult(logits[-request.num_logits:], len(session.history), job.forward_s,
+                            len(request.tokens), hidden)
 
     def _checked_session(self, session_id: str, committed_position: int,
                          fingerprint: int) -> Session | None:
@@ -367,34 +503,6 @@ class ModelRunner:
             pieces.append((begin, min(begin + MAX_QUERY_ROWS, num_tokens)))
         return pieces
 
-    @torch.inference_mode()
-    def _forward(self, session: Session, tokens: list[int], num_logits: int, hidden_rows: int,
-                 target_hidden: torch.Tensor | None, branch_positions: Sequence[int] = ()
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if session.cache is None:
-            session.cache = DynamicCache(config=self.model.config)
-        start = len(session.history)
-        chain_length = len(tokens) - len(branch_positions)
-        positions = list(range(start, start + chain_length)) + list(branch_positions)
-        first_logit_row = len(tokens) - num_logits
-        logits: list[torch.Tensor] = []
-        states: list[torch.Tensor] = []
-        for begin, end in self._pieces(len(tokens), num_logits):
-            piece_logits = end - max(begin, first_logit_row)
-            piece_hidden = target_hidden[begin:end] if target_hidden is not None else None
-            piece_out, piece_states = self._forward_piece(
-                session.cache, tokens[begin:end], positions[begin:end], max(1, piece_logits),
-                bool(hidden_rows), piece_hidden, self._tree_mask(positions, start, begin, end,
-                                                                 chain_length))
-            if piece_logits > 0:
-                logits.append(piece_out[-piece_logits:])
-            if piece_states is not None:
-                states.append(piece_states)
-        if branch_positions:
-            session.cache.crop(-len(branch_positions))
-        hidden = torch.cat(states)[-hidden_rows:].float() if hidden_rows else None
-        return self.vocab.restrict(torch.cat(logits)).float(), hidden
-
     def _tree_mask(self, positions: list[int], start: int, begin: int, end: int,
                    chain_length: int) -> torch.Tensor | None:
         """The attention mask of tokens[begin:end] when branch rows are among them (None:
@@ -412,16 +520,23 @@ class ModelRunner:
                 mask[0, 0, row, start + index] = True
         return mask
 
-    def _forward_piece(self, cache: DynamicCache, tokens: list[int], token_positions: list[int],
-                       num_logits: int, capture_states: bool, target_hidden: torch.Tensor | None,
-                       attention_mask: torch.Tensor | None = None
+    def _model_forward(self, cache: Any, tokens: list[int], token_positions: list[int],
+                       logits_to_keep: int | torch.Tensor, capture_states: bool,
+                       target_hidden: torch.Tensor | None,
+                       attention_mask: torch.Tensor | None = None,
+                       extra: dict[str, object] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One model forward of tokens at token_positions over cache: the logits of the
+        rows logits_to_keep names (the last n, or these indices), and the final-norm
+        states of every row if capture_states."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         ids = self.vocab.to_model_inputs(ids)
         positions = torch.tensor([token_positions], dtype=torch.long, device=self.device)
-        # Only the last num_logits rows go through the LM head (a prefill needs one row,
-        # not one per prompt token: 49152 x 576 per row for SmolLM2).
-        kwargs: dict[str, object] = {"logits_to_keep": num_logits} if self._logits_to_keep else {}
+        # Only the kept rows go through the LM head (a prefill needs one row, not one per
+        # prompt token: 49152 x 576 per row for SmolLM2).
+        kwargs: dict[str, object] = dict(extra or {})
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
         if target_hidden is not None:
             kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
         if attention_mask is not None:
@@ -429,7 +544,7 @@ class ModelRunner:
         captured: list[torch.Tensor] = []
         hook = None
         if capture_states:
-            # The final norm sees every position, the LM head only the last num_logits.
+            # The final norm sees every position, the LM head only the kept rows.
             hook = final_norm(self.model).register_forward_hook(
                 lambda _module, _inputs, output: captured.append(output))
         try:
@@ -438,4 +553,8 @@ class ModelRunner:
         finally:
             if hook is not None:
                 hook.remove()
-        return out.logits[0], (captured[-1][0] if capture_states else None)
+        logits = out.logits[0]
+        if not self._logits_to_keep:
+            logits = logits[-logits_to_keep:] if isinstance(logits_to_keep, int) \
+                else logits[logits_to_keep]
+        return logits, (captured[-1][0] if capture_states else None)
