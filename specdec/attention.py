@@ -36,6 +36,7 @@ extra key out of order, so it keeps a call of its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +52,18 @@ ROWWISE_NAME = "specdec_rowwise_sdpa"
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 MAX_QUERY_ROWS = 16
 KEY_BLOCK = 8
+# The forward kwarg that carries a PackedBatch down to the attention functions
+# (transformers passes a forward's extra kwargs through to them).
+PACKING_KWARG = "specdec_packing"
 
 
 def grouped_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, attention_mask: torch.Tensor | None,
                          dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    packing = kwargs.pop(PACKING_KWARG, None)
+    if packing is not None:
+        return packing.attend(module, query, grouped_sdpa_forward, dropout, scaling, kwargs)
     groups = int(getattr(module, "num_key_value_groups", 1))
     batch, heads, q_length, head_dim = query.shape
     if groups == 1 or not 1 < q_length <= MAX_QUERY_ROWS or kwargs.get("position_bias") \
@@ -88,6 +95,9 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          value: torch.Tensor, attention_mask: torch.Tensor | None,
                          dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    packing = kwargs.pop(PACKING_KWARG, None)
+    if packing is not None:
+        return packing.attend(module, query, rowwise_sdpa_forward, dropout, scaling, kwargs)
     batch, heads, q_length, head_dim = query.shape
     kv_heads, kv_length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -97,6 +107,15 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
+    return _rowwise_calls(query, key, value, plan, dropout, scaling), None
+
+
+def _rowwise_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   plan: list[_RowCall], dropout: float, scaling: float | None) -> torch.Tensor:
+    """The rowwise kernel's SDPA calls for one sequence's rows (a plan of _row_calls)."""
+    batch, heads, q_length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
     out = query.new_empty(batch, q_length, heads, value.shape[-1])
     for call in plan:
         rows = len(call.prefixes)
@@ -120,7 +139,7 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         out[:, call.start:call.start + rows] = result.reshape(
             batch, kv_heads, rows, groups, value.shape[-1]).transpose(1, 2).reshape(
             batch, rows, heads, value.shape[-1])
-    return out, None  # (B, q, H, D), as transformers expects
+    return out  # (B, q, H, D), as transformers expects
 
 
 @dataclass(frozen=True)
@@ -174,14 +193,21 @@ def _row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: 
     cached_mask, cached_shape, cached = _last_plan  # one read: other threads replace it
     if cached_mask is mask and cached_shape == shape:
         return cached
+    plan = row_plan(mask, q_length, kv_length, groups, device)
+    _last_plan = (mask, shape, plan)
+    return plan
+
+
+def row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: int,
+             device: torch.device) -> list[_RowCall] | None:
+    """The rowwise kernel's calls for q_length query rows at the end of kv_length keys
+    under mask (None: causal); None for a pattern it does not handle."""
     if mask is None:  # causal, with the queries at the end of the keys
         visible: list[tuple[int, int | None]] | None = [
             (kv_length - q_length + row + 1, None) for row in range(q_length)]
     else:
         visible = _mask_patterns(mask, q_length, kv_length)
-    plan = None if visible is None else _row_calls(visible, groups, device)
-    _last_plan = (mask, shape, plan)
-    return plan
+    return None if visible is None else _row_calls(visible, groups, device)
 
 
 def _mask_patterns(mask: torch.Tensor, q_length: int, kv_length: int
@@ -202,6 +228,86 @@ def _mask_patterns(mask: torch.Tensor, q_length: int, kv_length: int
         else:
             return None
     return visible
+
+
+class PackedBatch:
+    """Several sequences' new rows as one forward: the model's cache and the attention's
+    layout at once.
+
+    The rows go in as one sequence [1, total rows] with explicit position ids, sequence
+    after sequence. Passed as the model's cache, `update` splits each layer's new keys and
+    values by sequence and appends each part to that sequence's own cache; passed as the
+    PACKING_KWARG forward kwarg, `attend` computes each sequence's rows against exactly
+    that sequence's keys, with the call the kernel makes when the sequence runs alone (the
+    rowwise kernel: the same per-row SDPA calls). A row's attention output is then the
+    same bits whether its sequence ran alone or packed with others.
+
+    transformers' continuous-batching module (PagedAttentionCache) is not used: it has no
+    rollback, and it changes how many keys each row's attention call holds, which changes
+    reduced-precision results.
+    """
+
+    def __init__(self, caches: Sequence[Any], rows: Sequence[int],
+                 masks: Sequence[torch.Tensor | None]) -> None:
+        """caches: each sequence's cache (a transformers Cache); rows: its new rows;
+        masks: its rows' mask over its keys, [1, 1, rows, keys] bool, None for causal."""
+        self.caches = list(caches)
+        self.masks = list(masks)
+        self.bounds: list[tuple[int, int]] = []
+        start = 0
+        for count in rows:
+            self.bounds.append((start, start + count))
+            start += count
+        self._layer: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._plans: dict[int, list[_RowCall] | None] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self._layer = [cache.update(key_states[:, :, begin:end], value_states[:, :, begin:end],
+                                    layer_idx)
+                       for cache, (begin, end) in zip(self.caches, self.bounds, strict=True)]
+        return key_states, value_states
+
+    def attend(self, module: nn.Module, query: torch.Tensor, kernel: Any, dropout: float,
+               scaling: float | None, kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+        outputs = []
+        for index, ((begin, end), (key, value)) in enumerate(
+                zip(self.bounds, self._layer, strict=True)):
+            rows = query[:, :, begin:end]
+            call = kernel
+            if kernel is rowwise_sdpa_forward:
+                plan = self._plan(index, rows.shape[2], key.shape[2], module)
+                if plan is not None:
+                    outputs.append(_rowwise_calls(rows, key, value, plan, dropout, scaling))
+                    continue
+                call = sdpa_attention_forward
+            out, _ = call(module, rows, key, value, self._mask(index, rows.shape[2],
+                                                                key.shape[2]),
+                            dropout=dropout, scaling=scaling, **kwargs)
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), None
+
+    def _plan(self, index: int, q_length: int, kv_length: int, module: nn.Module
+              ) -> list[_RowCall] | None:
+        # Every layer sees the same rows and key counts: one plan per sequence and forward.
+        if index not in self._plans:
+            groups = int(getattr(module, "num_key_value_groups", 1))
+            self._plans[index] = row_plan(self.masks[index], q_length, kv_length, groups,
+                                          self.caches_device())
+        return self._plans[index]
+
+    def caches_device(self) -> torch.device:
+        return self._layer[0][0].device
+
+    def _mask(self, index: int, q_length: int, kv_length: int) -> torch.Tensor | None:
+        """The sequence's mask, explicit: a None mask with several query rows would make
+        SDPA align the causal triangle to the first key, not the last."""
+        mask = self.masks[index]
+        if mask is not None or q_length == 1:
+            return mask
+        device = self.caches_device()
+        last = torch.arange(kv_length - q_length, kv_length, device=device)
+        return (torch.arange(kv_length, device=device) <= last[:, None])[None, None]
 
 
 AttentionInterface.register(NAME, grouped_sdpa_forward)
