@@ -158,6 +158,8 @@ class DraftJob:
     def take(self, result: ExtendResult) -> bool:
         self.forward_s += result.forward_s
         self.kv_length = result.kv_length
+        if self.num_tokens == 0:  # a catch-up only
+            return True
         logits, params, runner = result.logits, self.params, self.runner
         index = len(self.tokens)
         probs = process_logits(logits, params)

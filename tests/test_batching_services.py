@@ -399,5 +399,60 @@ def test_batch_limits_bound_sessions_per_forward(models) -> None:
         assert sizes == [1, 2, 2, 2, 2]
         queued = sorted(future.result().batch.queued for future in futures)
         assert queued[-1] >= 3  # the first forward ran while three more waited
+        registry = service.servicer.telemetry.registry
+        assert registry.get_sample_value("specdec_batch_sessions_count") == 3
+        assert registry.get_sample_value("specdec_batch_sessions_sum") == 5
+        assert registry.get_sample_value("specdec_batch_rows_sum") == \
+            sum(len(PROMPTS[index]) + 1 for index in range(5))
+        assert registry.get_sample_value("specdec_queue_wait_seconds_count") == 5
+        assert registry.get_sample_value("specdec_num_calls_waiting") == 0
     finally:
         service.close()
+
+
+# -- the real pair, in the served default dtype -------------------------------------------
+REAL_PROMPTS = ["What is the capital of France?", "Name three primary colours.",
+                "Write a haiku about the sea.", "How many legs does a spider have?",
+                "Translate 'good morning' into Spanish.", "What is 12 times 12?",
+                "Give one tip for sleeping well.", "Who wrote Romeo and Juliet?"]
+
+
+@pytest.mark.slow
+def test_real_pair_concurrent_greedy_equals_serial_target_only() -> None:
+    """(a) The SmolLM2 pair in bfloat16: eight chat requests at once, different lengths,
+    half with alternatives, each equal to the target's own serial greedy output."""
+    from specdec import models as model_zoo
+    from specdec.model_service import model_info
+
+    torch.set_num_threads(2)
+    cpu = torch.device("cpu")
+    target = model_zoo.load_causal_lm(model_zoo.DEFAULT_TARGET, cpu, torch.bfloat16,
+                                      progress=False)
+    draft = model_zoo.load_causal_lm(model_zoo.DEFAULT_DRAFT, cpu, torch.bfloat16,
+                                     progress=False)
+    assert target.tokenizer is not None
+    eos = model_info(model_zoo.DEFAULT_TARGET).eos_token_ids
+    prompts = [list(target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True,
+        return_dict=True)["input_ids"]) for text in REAL_PROMPTS]
+    messages = [request(prompt, 12 + 2 * index, k=4, alternatives=(2 if index % 2 else 0))
+                for index, prompt in enumerate(prompts)]
+    expected = []
+    for message in messages:
+        config = GenerateConfig(max_new_tokens=message.max_new_tokens, num_draft_tokens=0,
+                                eos_token_ids=eos)
+        expected.append(generate(None, LocalVerifier(ModelRunner(target.model)),
+                                 list(message.prompt_token_ids), config).token_ids)
+    stack = Services(draft.model, target.model, tokenizer=target.tokenizer, eos=eos,
+                     draft_token_map=draft.token_map,
+                     settings=CoordinatorSettings(draft_timeout_s=120))
+    try:
+        with ThreadPoolExecutor(len(messages)) as pool:
+            outputs = list(pool.map(
+                lambda m: list(stack.stub.Generate(m, timeout=600).token_ids), messages))
+        batched = batch_sessions_sum(stack) > stack.target.telemetry.registry.get_sample_value(
+            "specdec_batch_sessions_count")
+    finally:
+        stack.close()
+    assert outputs == expected
+    assert batched  # some forward held more than one session
