@@ -37,9 +37,13 @@ state_dict read it), so linear weights take twice their memory. Autograd goes th
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "skinny", "onednn")
 SKINNY_MAX_ROWS = 16  # beyond this (a prefill) the regular GEMM path is efficient
@@ -136,3 +140,64 @@ def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
         if type(module) in _KERNEL_CLASSES.values():
             module.__class__ = new_class
     return chosen
+
+
+ROW_INVARIANCE_PROBE_CAP = 256  # the largest row count the load-time probe checks
+_ROW_INVARIANT_ROWS_ATTR = "_specdec_row_invariant_rows"
+
+
+def row_invariant_rows(model: nn.Module, cap: int = ROW_INVARIANCE_PROBE_CAP) -> int | None:
+    """The largest row count n <= cap for which the model's oneDNN linears give every row
+    of an n-row product the bits a 4-row product gives that row; None when its linears
+    are not the oneDNN kernel (no such guarantee is made for the others).
+
+    oneDNN sums a row's products in an order that depends on the row count only beyond
+    some count that differs by CPU, so it is measured: one weight matrix per distinct
+    input width of the model (the reduction length is what the order depends on), on a
+    seeded random probe, every n from ONEDNN_MIN_ROWS to cap. Measured once per model
+    object and remembered on it.
+    """
+    known = getattr(model, _ROW_INVARIANT_ROWS_ATTR, False)
+    if known is not False:
+        return known  # type: ignore[no-any-return]
+    layers: dict[int, OneDnnLinear] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, OneDnnLinear):
+            layers.clear()
+            break
+        if isinstance(module, OneDnnLinear):
+            current = layers.get(module.in_features)
+            if current is None or module.out_features < current.out_features:
+                layers[module.in_features] = module
+    result: int | None = None
+    if layers and all(layer.weight.device.type == "cpu"
+                      and layer.weight.dtype in ONEDNN_DTYPES for layer in layers.values()):
+        result = min(_invariant_rows(layer, cap) for layer in layers.values())
+        log.info("linear kernel row-invariant up to %d rows per forward (checked to %d); "
+                 "larger batches are split", result, cap)
+    setattr(model, _ROW_INVARIANT_ROWS_ATTR, result)
+    return result
+
+
+def _probe_counts(cap: int) -> list[int]:
+    """Every row count up to 64 (thresholds such as 32 sit there), then every eighth."""
+    return [*range(ONEDNN_MIN_ROWS + 1, min(cap, 64) + 1), *range(72, cap + 1, 8)]
+
+
+@torch.inference_mode()
+def _invariant_rows(layer: OneDnnLinear, cap: int) -> int:
+    """The probe repeats one block of ONEDNN_MIN_ROWS rows, so one 4-row product is the
+    reference for every row: a row whose bits depend on its place or on the row count
+    shows up as a mismatch."""
+    generator = torch.Generator().manual_seed(0)
+    block = torch.randn(ONEDNN_MIN_ROWS, layer.in_features, generator=generator)
+    block = block.to(layer.weight.dtype)
+    reference = layer(block)
+    probe = block.repeat(-(-cap // ONEDNN_MIN_ROWS), 1)
+    expected = reference.repeat(-(-cap // ONEDNN_MIN_ROWS), 1)
+    verified = ONEDNN_MIN_ROWS
+    for rows in _probe_counts(cap):
+        if not torch.equal(layer(probe[:rows]), expected[:rows]):
+            return verified
+        verified = rows
+    return verified

@@ -22,6 +22,7 @@ from specdec.attention import MAX_QUERY_ROWS, NAME, PACKING_KWARG, ROWWISE_NAME,
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
+from specdec.kernels import row_invariant_rows
 from specdec.vocab import VocabAdapter
 
 
@@ -120,8 +121,14 @@ class ModelRunner:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.needs_target_hidden = is_feature_draft(model)
         self._row_invariant = getattr(config, "_attn_implementation", None) == ROWWISE_NAME
-        # The most rows one packed forward holds (None: no limit here).
-        self.max_batch_rows: int | None = None
+        # Under the row-invariant kernels, the most rows a forward may hold with every row
+        # getting the bits it gets alone (measured on this CPU, once per model); None
+        # otherwise, where batching is correct within float tolerance and only the
+        # caller's batch-size setting limits it.
+        self.max_invariant_rows = row_invariant_rows(model) if self._row_invariant else None
+        # The most rows one packed forward holds; a larger batch is split, whole sessions
+        # per forward.
+        self.max_batch_rows = self.max_invariant_rows
         self.target_hidden_size = int(getattr(model.config, TARGET_HIDDEN_SIZE_KEY, 0)
                                       if self.needs_target_hidden else 0)
 
