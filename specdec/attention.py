@@ -49,6 +49,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specdec_grouped_sdpa"
 ROWWISE_NAME = "specdec_rowwise_sdpa"
+# transformers' own SDPA function, registered under a name of ours so that it also runs
+# packed batches (PackedBatch); the "sdpa" kernel choice installs it.
+SDPA_NAME = "specdec_sdpa"
+PACKABLE = (NAME, ROWWISE_NAME, SDPA_NAME)  # implementations that run a PackedBatch
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 MAX_QUERY_ROWS = 16
 KEY_BLOCK = 8
@@ -310,12 +314,26 @@ class PackedBatch:
         return (torch.arange(kv_length, device=device) <= last[:, None])[None, None]
 
 
+def packable_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs: Any
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    packing = kwargs.pop(PACKING_KWARG, None)
+    if packing is not None:
+        return packing.attend(module, query, sdpa_attention_forward, dropout, scaling, kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
 AttentionInterface.register(NAME, grouped_sdpa_forward)
+AttentionInterface.register(SDPA_NAME, packable_sdpa_forward)
 AttentionInterface.register(ROWWISE_NAME, rowwise_sdpa_forward)
 # Without a registered mask function transformers builds no mask at all for an unknown
 # attention name; SDPA's own masks are what both paths expect.
 AttentionMaskInterface.register(NAME, sdpa_mask)
 AttentionMaskInterface.register(ROWWISE_NAME, sdpa_mask)
+AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
 
 
 def resolve_attention(kernel: str, device: torch.device,
@@ -337,8 +355,8 @@ def apply_attention_kernel(model: nn.Module, kernel: str) -> str:
     parameter = next(model.parameters())
     chosen = resolve_attention(kernel, parameter.device, parameter.dtype)
     current = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
-    if current not in ("sdpa", NAME, ROWWISE_NAME):
+    if current not in ("sdpa", *PACKABLE):
         return current  # eager, flash, ... models keep their own
-    implementation = {"grouped": NAME, "rowwise": ROWWISE_NAME}.get(chosen, "sdpa")
+    implementation = {"grouped": NAME, "rowwise": ROWWISE_NAME}.get(chosen, SDPA_NAME)
     model.set_attn_implementation(implementation)  # type: ignore[operator]
     return chosen

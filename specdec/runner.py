@@ -18,7 +18,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdec.attention import MAX_QUERY_ROWS, NAME, PACKING_KWARG, ROWWISE_NAME, PackedBatch
+from specdec.attention import (
+    MAX_QUERY_ROWS,
+    PACKABLE,
+    PACKING_KWARG,
+    ROWWISE_NAME,
+    PackedBatch,
+)
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
@@ -376,7 +382,7 @@ class ModelRunner:
         one of specdec's kernels (they read the packed layout); otherwise extend_batch
         runs one forward per session."""
         implementation = getattr(self.model.config, "_attn_implementation", None)
-        return implementation in (NAME, ROWWISE_NAME)
+        return implementation in PACKABLE
 
     def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
         """Consecutive jobs, whole, in forwards of at most max_batch_rows rows."""

@@ -21,12 +21,13 @@ from specdec.attention import MAX_QUERY_ROWS, apply_attention_kernel
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
 from specdec.kernels import ROW_INVARIANCE_PROBE_CAP, apply_linear_kernel, row_invariant_rows
 from specdec.runner import ExtendRequest, ExtendResult, ModelRunner
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import tiny_feature_draft, tiny_llama
 
 VOCAB = 64
 KERNELS = {  # dtype name: (dtype, linear kernel, attention kernel, bit-exact)
     "bfloat16": (torch.bfloat16, "onednn", "rowwise", True),
     "float32": (torch.float32, "skinny", "grouped", False),
+    "float32-sdpa": (torch.float32, "torch", "sdpa", False),  # what CUDA runs
 }
 
 
@@ -174,6 +175,33 @@ def test_a_long_catch_up_runs_its_prefill_alone_and_its_decode_rows_in_the_batch
         results = runner.extend_batch(requests)
     assert len(calls) == 2  # the 36-token prefill, then both sessions' decode rows
     assert all(isinstance(result, ExtendResult) for result in results)
+
+
+def test_a_feature_draft_batches_with_each_sessions_target_states() -> None:
+    model = tiny_feature_draft(vocab_size=VOCAB).to(torch.bfloat16)
+    apply_linear_kernel(model, "onednn")
+    apply_attention_kernel(model, "rowwise")
+    batched, alone = ModelRunner(model), ModelRunner(model)
+    generator = torch.Generator().manual_seed(0)
+    for index in range(4):
+        prompt = list(range(3 + 5 * index))
+        states = torch.randn(len(prompt), 32, generator=generator)
+        for runner in (batched, alone):
+            runner.extend(f"s{index}", 0, 0, prompt, target_hidden=states)
+    requests = [ExtendRequest(f"s{index}", 3 + 5 * index,
+                              batched._sessions[f"s{index}"].history.fingerprint(),
+                              [7] * (1 + index), hidden_rows=1,
+                              target_hidden=torch.randn(1 + index, 32, generator=generator))
+                for index in range(4)]
+    with _counting_forwards(model) as calls:
+        results = batched.extend_batch(requests)
+    assert len(calls) == 1
+    for request, result in zip(requests, results, strict=True):
+        assert isinstance(result, ExtendResult)
+        expected = alone.extend(request.session_id, request.committed_position,
+                                request.fingerprint, request.tokens, hidden_rows=1,
+                                target_hidden=request.target_hidden)
+        _assert_same(result, expected, exact=True)
 
 
 def _twin_runners(model: nn.Module, **kwargs: int) -> tuple[ModelRunner, ModelRunner]:
