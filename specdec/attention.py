@@ -3,8 +3,8 @@
 SmolLM2 has 9 query heads sharing 3 key/value heads. For one query row transformers
 folds the query heads onto their K/V head ("pack_gqa"), but for the k + 1 rows of a
 verification with an attention mask it expands K and V to 9 heads (`repeat_kv`): a copy
-of the whole cache, every layer, every round (8.8 % of a k=1 round in the py-spy profile,
-docs/benchmarks.md). Here the rows of the query heads that share a K/V head are stacked
+of the whole cache, every layer, every round (a visible share of a round in a py-spy
+profile). Here the rows of the query heads that share a K/V head are stacked
 into one taller query instead, (B, H, q, D) -> (B, H_kv, groups * q, D), with the mask
 repeated per group. Each output row is the same softmax(q K^T + mask) V over the same
 keys; only SDPA's blocking of query rows changes, as it already does with q.
@@ -15,23 +15,25 @@ row or more than MAX_QUERY_ROWS (a prefill) go to transformers' own SDPA functio
 "rowwise" ("specdec_rowwise_sdpa") is the kernel that makes a verification exact in
 reduced precision. SDPA's result for a query row depends on how many keys the call holds
 (its blocking of the key axis), not only on the keys the row may see: in bfloat16 the row
-of a 4-row verification and the same token decoded alone differed by up to 0.4 in the
-logits, and greedy speculative output left the target's own on half the prompts. So every
+of a verification and the same token decoded alone differ in the logits, and greedy
+speculative output leaves the target's own wherever two logits are that close. So every
 decode-sized call (1 to MAX_QUERY_ROWS rows) computes each row alone, over exactly its
 visible keys: the call a one-row decode of that token makes. A row's output is then the
 same whichever forward it was part of.
 
-One call per row cost about 1 ms per extra row of a verification (30 layers of SDPA calls;
-a 5-row forward 56.0 against 51.6 ms with the grouped kernel, which stays flat). What the
-key count changes is the sum over keys in vectors of 16 floats (AVX-512): measured here,
-a row with n visible keys gets the same bits from a masked call of L >= n keys as long as
-L // 16 == n // 16, and a row's result does not depend on the other rows of the call. So
-the chain rows whose visible-key counts share a block of KEY_BLOCK keys go through one
-masked call over the block's longest prefix: one or two calls per layer instead of one per
-row. KEY_BLOCK = 8 divides every x86 vector width torch uses (8 floats with AVX2, 16 with
+One call per row costs an SDPA call per extra row per layer of a verification (the
+grouped kernel stays flat). What the key count changes is the sum over keys in vectors of
+16 floats (AVX-512): a row with n visible keys gets the same bits from a masked call of
+L >= n keys as long as L // 16 == n // 16, and a row's result does not depend on the
+other rows of the call. So the chain rows whose visible-key counts share a block of
+KEY_BLOCK keys go through one masked call over the block's longest prefix: one or two
+calls per layer instead of one per row. KEY_BLOCK = 8 divides every x86 vector width torch uses (8 floats with AVX2, 16 with
 AVX-512), so the grouping is safe on either; tests/test_row_invariance.py checks the
 result bit for bit on the machine it runs on. A token-tree row (an alternative) sees its
 extra key out of order, so it keeps a call of its own.
+
+Several sessions' rows run in one forward as a PackedBatch: each session's rows get the
+calls above over that session's keys alone, so batching changes no row's attention.
 """
 
 from __future__ import annotations

@@ -1,38 +1,37 @@
 """The linear-layer kernel for decoding-sized batches, chosen by measurement.
 
 Decoding multiplies a few rows (1 token, or the k + 1 of a verification) by every weight
-matrix, so it is bound by reading the weights. On the CPUs measured here (AMD EPYC, MKL,
-float32), `F.linear` does that badly for small row counts: one row goes through a GEMV at
-~10 GB/s, and 2-9 rows through a GEMM path that is slower still (T_target(2) about twice
-T_target(1) for SmolLM2-135M). Computing the transposed product W @ x^T instead reads the
-weights at ~24 GB/s, provided x is row-major (with x^T contiguous the same call is ~5x
-slower), and padding an odd row count to an even one avoids a slow edge case.
-Measured with SmolLM2-135M on 2 threads: T_target(1) 67 -> 37-44 ms, T_draft(1) 6.8 ->
-3.0 ms, T_target(4) 91 -> 54 ms (`specdec bench --costs-only --compare-dtypes
-float32@torch,float32@skinny` reproduces this).
+matrix, so it is bound by reading the weights. On the CPUs measured (AMD EPYC, MKL,
+float32), `F.linear` does that badly for small row counts: one row goes through a slow
+GEMV, and a few rows through a GEMM path that is slower still. Computing the transposed
+product W @ x^T instead reads the weights about twice as fast, provided x is row-major
+(with x^T contiguous the same call is several times slower), and padding an odd row
+count to an even one avoids a slow edge case (docs/performance.md has the numbers;
+`specdec bench --costs-only --compare-dtypes float32@torch,float32@skinny` reproduces
+them).
 
-The product is the same matrix product; only the floating-point summation order differs
-(logits agree to ~1e-3 of magnitude ~10), exactly as they already differ between a 1-row
-and a (k+1)-row forward. It changes nothing else: bfloat16, float16, CUDA and prefills
-(more than SKINNY_MAX_ROWS rows) keep `F.linear`, which is as fast or faster there.
+The product is the same matrix product; only the floating-point summation order differs,
+exactly as it already differs between a 1-row and a (k+1)-row forward. It changes
+nothing else: bfloat16, float16, CUDA and prefills (more than SKINNY_MAX_ROWS rows) keep
+`F.linear`, which is as fast or faster there.
 
 Kernels: "torch" (F.linear everywhere), "skinny" (the above), "onednn" (below), "auto"
 (on CPU skinny for float32 and onednn for bfloat16; torch otherwise).
 
 "onednn" hands the product to oneDNN with the weight reordered once, at load, into its
-blocked layout (the path torch.compile's CPU backend takes for linear layers). Measured on
-the same machine (2 threads, AVX-512, all SmolLM2-135M matrices, median ms for 1/2/4/8
-rows): float32 skinny 24/21/30/45, onednn 22-33 flat; bfloat16 `F.linear` 26/26/28/32,
-onednn 15/20/15/17. Flat in the row count is what a verification needs: k + 1 rows cost
-about what one does. From 2 rows up (2-300 checked) each output row comes from the same
+blocked layout (the path torch.compile's CPU backend takes for linear layers). Its cost
+is nearly flat in the row count, which is what a verification needs: k + 1 rows cost
+about what one does. From 2 rows up to some count each output row comes from the same
 blocked reduction whatever the row count; 1 row takes another path, so 1-3 rows are
 padded to 4 (also the fastest count): a row's logits do not depend on how many rows
 share the forward, which exact verification in bfloat16 needs
-(tests/test_row_invariance.py). Float32 keeps the skinny kernel under "auto": its
-one-row forward measured faster there (T_target(1) 32 vs 44-58 ms). The
-reordered copy is held beside the weight (the weight stays: tied embeddings and
-state_dict read it), so linear weights take twice their memory. Autograd goes through
-`F.linear`: the reordered copy serves inference only, and is rebuilt if the weight changes.
+(tests/test_row_invariance.py), and so does batching several sessions' rows into one
+forward. The count up to which that holds differs by CPU, so `row_invariant_rows`
+measures it when a model is loaded. Float32 keeps the skinny kernel under "auto": its
+one-row forward measured faster there. The reordered copy is held beside the weight
+(the weight stays: tied embeddings and state_dict read it), so linear weights take
+twice their memory. Autograd goes through `F.linear`: the reordered copy serves
+inference only, and is rebuilt if the weight changes.
 """
 
 from __future__ import annotations
@@ -94,9 +93,8 @@ class OneDnnLinear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(
                 input, self._packed_weight(), self.bias, "none", [], "")
         # One row takes a GEMV path whose summation order differs from every other row
-        # count's (measured: K = 1536), and two rows a slow one (20 ms for SmolLM2's
-        # matrices in bfloat16 vs 16 ms at four, 18 ms at one). Padded to four rows, a
-        # row's result is the same in a decode, a verification and a prefill, and faster.
+        # count's, and two rows a slow one. Padded to four rows, a row's result is the
+        # same in a decode, a verification and a prefill, and faster.
         flat = F.pad(input.reshape(rows, features), (0, 0, 0, ONEDNN_MIN_ROWS - rows))
         out = torch.ops.mkldnn._linear_pointwise(
             flat, self._packed_weight(), self.bias, "none", [], "")[:rows]

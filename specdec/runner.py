@@ -1,8 +1,25 @@
 """A causal LM with one KV cache per session: extend, roll back, release, LRU-evict.
 
-Rollback is a crop of the transformers DynamicCache to the committed position; the
-session's TokenHistory says what the cache holds, so a request naming a committed
-position and its fingerprint is checked before anything is computed.
+Rollback is a crop of the transformers DynamicCache to the committed position (a slice,
+no copy); the session's TokenHistory says what the cache holds, so a request naming a
+committed position and its fingerprint is checked before anything is computed.
+
+`extend_batch` serves many sessions per forward: every session's decode-sized rows are
+packed into one sequence, each at its own positions over its own cache (PackedBatch in
+specdec.attention). Under the row-invariant kernels (bfloat16 on CPU: oneDNN linears
+and rowwise attention) a row's logits are then the bits it gets when its session runs
+alone, up to the linear kernel's measured row cap (`max_invariant_rows`; larger batches
+are split into several forwards of whole sessions). Under the other kernels (float32,
+CUDA) a batched row equals its lone self within float tolerance only, so greedy output
+under batching equals serial output bit for bit only with the row-invariant kernels.
+
+Prefills do not share forwards: a catch-up longer than a decode-sized forward runs its
+prefix alone first (the prefill a target-only run of the prompt makes, which keeps
+greedy equality), and only its decode-sized rows join the packed forward. A long
+prompt therefore delays the other sessions of its batch by one prefill forward;
+splitting it into chunks would change the prompt's last row and with it greedy
+equality, so no chunked prefill is offered. Callers that want prefills out of the
+decode batches schedule them as separate calls.
 """
 
 from __future__ import annotations
@@ -379,8 +396,9 @@ class ModelRunner:
 
     def can_pack(self) -> bool:
         """Whether several sessions' rows can share a forward: the model's attention is
-        one of specdec's kernels (they read the packed layout); otherwise extend_batch
-        runs one forward per session."""
+        one of specdec's registered kernels (they read the packed layout: grouped,
+        rowwise, or transformers' SDPA under specdec's name); otherwise extend_batch runs
+        one forward per session."""
         implementation = getattr(self.model.config, "_attn_implementation", None)
         return implementation in PACKABLE
 
