@@ -27,10 +27,11 @@ grouped kernel stays flat). What the key count changes is the sum over keys in v
 L >= n keys as long as L // 16 == n // 16, and a row's result does not depend on the
 other rows of the call. So the chain rows whose visible-key counts share a block of
 KEY_BLOCK keys go through one masked call over the block's longest prefix: one or two
-calls per layer instead of one per row. KEY_BLOCK = 8 divides every x86 vector width torch uses (8 floats with AVX2, 16 with
-AVX-512), so the grouping is safe on either; tests/test_row_invariance.py checks the
-result bit for bit on the machine it runs on. A token-tree row (an alternative) sees its
-extra key out of order, so it keeps a call of its own.
+calls per layer instead of one per row. KEY_BLOCK = 8 divides every x86 vector width
+torch uses (8 floats with AVX2, 16 with AVX-512), so the grouping is safe on either;
+tests/test_row_invariance.py checks the result bit for bit on the machine it runs on. A
+token-tree row (an alternative) sees its extra key out of order, so it keeps a call of
+its own.
 
 Several sessions' rows run in one forward as a PackedBatch: each session's rows get the
 calls above over that session's keys alone, so batching changes no row's attention.

@@ -11,10 +11,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from specdec import models
 from specdec.attention import MAX_QUERY_ROWS, apply_attention_kernel
@@ -31,16 +33,17 @@ KERNELS = {  # dtype name: (dtype, linear kernel, attention kernel, bit-exact)
 }
 
 
-def _tiny(dtype_name: str) -> nn.Module:
+def _tiny(dtype_name: str) -> PreTrainedModel:
     dtype, linear, attention, _ = KERNELS[dtype_name]
-    model = tiny_llama(vocab_size=VOCAB, layers=2, hidden=64).to(dtype)
+    model: Any = tiny_llama(vocab_size=VOCAB, layers=2, hidden=64)
+    model = model.to(dtype)
     apply_linear_kernel(model, linear)
     apply_attention_kernel(model, attention)
     return model
 
 
 @pytest.fixture(scope="module")
-def bf16() -> nn.Module:
+def bf16() -> PreTrainedModel:
     """One model for the module: its row-invariance cap is measured once."""
     return _tiny("bfloat16")
 
@@ -77,8 +80,8 @@ def _assert_same_caches(batched: ModelRunner, alone: ModelRunner, exact: bool) -
         assert session.history.tokens == other.history.tokens
         assert session.cache is not None and other.cache is not None
         for layer, other_layer in zip(session.cache.layers, other.cache.layers, strict=True):
-            for tensor, other_tensor in ((layer.keys, other_layer.keys),
-                                         (layer.values, other_layer.values)):
+            for name in ("keys", "values"):
+                tensor, other_tensor = getattr(layer, name), getattr(other_layer, name)
                 assert tensor.shape == other_tensor.shape
                 if exact:
                     assert torch.equal(tensor, other_tensor)
@@ -118,7 +121,7 @@ def _alone(runner: ModelRunner, request: ExtendRequest) -> ExtendResult:
 
 
 @pytest.mark.parametrize("dtype_name", list(KERNELS))
-def test_batched_rows_equal_rows_run_alone(dtype_name: str, bf16: nn.Module) -> None:
+def test_batched_rows_equal_rows_run_alone(dtype_name: str, bf16: PreTrainedModel) -> None:
     torch.set_num_threads(2)
     model = bf16 if dtype_name == "bfloat16" else _tiny(dtype_name)
     exact = KERNELS[dtype_name][3]
@@ -147,7 +150,7 @@ def test_batched_rows_equal_rows_run_alone(dtype_name: str, bf16: nn.Module) -> 
             _assert_same(_alone(batched, request), _alone(alone, request), exact)
 
 
-def test_decode_rows_of_many_sessions_run_in_one_forward(bf16: nn.Module) -> None:
+def test_decode_rows_of_many_sessions_run_in_one_forward(bf16: PreTrainedModel) -> None:
     model = bf16
     runner = ModelRunner(model)
     for index in range(6):
@@ -164,7 +167,7 @@ def test_decode_rows_of_many_sessions_run_in_one_forward(bf16: nn.Module) -> Non
 
 
 def test_a_long_catch_up_runs_its_prefill_alone_and_its_decode_rows_in_the_batch(
-        bf16: nn.Module) -> None:
+        bf16: PreTrainedModel) -> None:
     model = bf16
     runner = ModelRunner(model)
     runner.extend("short", 0, 0, [1, 2, 3])
@@ -178,7 +181,7 @@ def test_a_long_catch_up_runs_its_prefill_alone_and_its_decode_rows_in_the_batch
 
 
 def test_a_feature_draft_batches_with_each_sessions_target_states() -> None:
-    model = tiny_feature_draft(vocab_size=VOCAB).to(torch.bfloat16)
+    model: Any = tiny_feature_draft(vocab_size=VOCAB).to(torch.bfloat16)
     apply_linear_kernel(model, "onednn")
     apply_attention_kernel(model, "rowwise")
     batched, alone = ModelRunner(model), ModelRunner(model)
@@ -204,7 +207,7 @@ def test_a_feature_draft_batches_with_each_sessions_target_states() -> None:
         _assert_same(result, expected, exact=True)
 
 
-def _twin_runners(model: nn.Module, **kwargs: int) -> tuple[ModelRunner, ModelRunner]:
+def _twin_runners(model: PreTrainedModel, **kwargs: int) -> tuple[ModelRunner, ModelRunner]:
     runners = ModelRunner(model, **kwargs), ModelRunner(model, **kwargs)  # type: ignore[arg-type]
     for runner in runners:
         for index, session_id in enumerate(("a", "b", "c")):
@@ -220,7 +223,7 @@ def _step(runner: ModelRunner, session_id: str, tokens: list[int],
                          tokens, num_logits=len(tokens))
 
 
-def test_a_failing_request_leaves_the_others_as_a_batch_without_it(bf16: nn.Module) -> None:
+def test_a_failing_request_leaves_the_others_as_a_batch_without_it(bf16: PreTrainedModel) -> None:
     with_bad, without = _twin_runners(bf16)
     good = [_step(with_bad, "a", [7, 8]), _step(with_bad, "c", [9])]
     bad = _step(with_bad, "b", [3, 3, 3], fingerprint=12345)
@@ -236,7 +239,7 @@ def test_a_failing_request_leaves_the_others_as_a_batch_without_it(bf16: nn.Modu
     _assert_same_caches(with_bad, without, exact=True)
 
 
-def test_a_request_over_the_kv_budget_fails_alone(bf16: nn.Module) -> None:
+def test_a_request_over_the_kv_budget_fails_alone(bf16: PreTrainedModel) -> None:
     per_token = ModelRunner(bf16)._bytes_per_token()
     with_bad, without = _twin_runners(bf16, kv_budget_bytes=40 * per_token)
     too_long = _step(with_bad, "b", list(range(40)))  # 5 held + 40 new > 40
@@ -251,7 +254,7 @@ def test_a_request_over_the_kv_budget_fails_alone(bf16: nn.Module) -> None:
     _assert_same_caches(with_bad, without, exact=True)
 
 
-def test_the_batch_evicts_least_recently_used_sessions_outside_it(bf16: nn.Module) -> None:
+def test_the_batch_evicts_least_recently_used_sessions_outside_it(bf16: PreTrainedModel) -> None:
     model = bf16
     per_token = ModelRunner(model)._bytes_per_token()
     runner = ModelRunner(model, kv_budget_bytes=30 * per_token)
@@ -263,7 +266,7 @@ def test_the_batch_evicts_least_recently_used_sessions_outside_it(bf16: nn.Modul
     assert runner.total_kv_bytes() <= 30 * per_token
 
 
-def test_the_same_session_twice_in_one_batch_is_refused(bf16: nn.Module) -> None:
+def test_the_same_session_twice_in_one_batch_is_refused(bf16: PreTrainedModel) -> None:
     runner, _ = _twin_runners(bf16)
     first = _step(runner, "a", [7])
     results = runner.extend_batch([first, _step(runner, "a", [8])])
@@ -272,7 +275,7 @@ def test_the_same_session_twice_in_one_batch_is_refused(bf16: nn.Module) -> None
     assert runner._sessions["a"].history.tokens[-1] == 7
 
 
-def test_row_invariance_is_measured_for_the_onednn_kernel_only(bf16: nn.Module) -> None:
+def test_row_invariance_is_measured_for_the_onednn_kernel_only(bf16: PreTrainedModel) -> None:
     cap = ModelRunner(bf16).max_invariant_rows
     assert cap is not None and MAX_QUERY_ROWS <= cap <= ROW_INVARIANCE_PROBE_CAP
     assert row_invariant_rows(bf16) == cap  # measured once, remembered on the model
@@ -280,7 +283,7 @@ def test_row_invariance_is_measured_for_the_onednn_kernel_only(bf16: nn.Module) 
     assert ModelRunner(_tiny("float32")).max_invariant_rows is None
 
 
-def test_a_batch_over_the_row_cap_is_split_into_whole_sessions(bf16: nn.Module) -> None:
+def test_a_batch_over_the_row_cap_is_split_into_whole_sessions(bf16: PreTrainedModel) -> None:
     model = bf16
     batched, alone = ModelRunner(model), ModelRunner(model)
     for runner in (batched, alone):
