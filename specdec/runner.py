@@ -120,7 +120,7 @@ class _Job:
 class ExtendResult:
     logits: torch.Tensor  # [num_logits, usable_rows] fp32, model space
     kv_length: int
-    forward_s: float
+    forward_s: float  # the time of the forwards its rows ran in (shared ones in full)
     tokens_processed: int
     # [hidden_rows, hidden] final-norm outputs of the last hidden_rows tokens, if asked
     hidden: torch.Tensor | None = None
@@ -236,7 +236,8 @@ class ModelRunner:
         cache. Results come back in request order; a request that fails validation
         (CacheSyncError, InvalidRequest, KVBudgetExhausted) gets its error in its slot,
         is left out of the forward and leaves every cache as it was. Two requests for one
-        session are a caller bug: the second is refused.
+        session are a caller bug: the second is refused. A batch of more rows than
+        max_batch_rows runs as several forwards of whole sessions, in request order.
         """
         results: list[ExtendResult | SpecdecError | None] = [None] * len(requests)
         with self._lock:
