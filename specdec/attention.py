@@ -3,8 +3,8 @@
 SmolLM2 has 9 query heads sharing 3 key/value heads. For one query row transformers
 folds the query heads onto their K/V head ("pack_gqa"), but for the k + 1 rows of a
 verification with an attention mask it expands K and V to 9 heads (`repeat_kv`): a copy
-of the whole cache, every layer, every round (8.8 % of a k=1 round in the py-spy profile,
-docs/benchmarks.md). Here the rows of the query heads that share a K/V head are stacked
+of the whole cache, every layer, every round (a visible share of a round in a py-spy
+profile). Here the rows of the query heads that share a K/V head are stacked
 into one taller query instead, (B, H, q, D) -> (B, H_kv, groups * q, D), with the mask
 repeated per group. Each output row is the same softmax(q K^T + mask) V over the same
 keys; only SDPA's blocking of query rows changes, as it already does with q.
@@ -15,23 +15,26 @@ row or more than MAX_QUERY_ROWS (a prefill) go to transformers' own SDPA functio
 "rowwise" ("specdec_rowwise_sdpa") is the kernel that makes a verification exact in
 reduced precision. SDPA's result for a query row depends on how many keys the call holds
 (its blocking of the key axis), not only on the keys the row may see: in bfloat16 the row
-of a 4-row verification and the same token decoded alone differed by up to 0.4 in the
-logits, and greedy speculative output left the target's own on half the prompts. So every
+of a verification and the same token decoded alone differ in the logits, and greedy
+speculative output leaves the target's own wherever two logits are that close. So every
 decode-sized call (1 to MAX_QUERY_ROWS rows) computes each row alone, over exactly its
 visible keys: the call a one-row decode of that token makes. A row's output is then the
 same whichever forward it was part of.
 
-One call per row cost about 1 ms per extra row of a verification (30 layers of SDPA calls;
-a 5-row forward 56.0 against 51.6 ms with the grouped kernel, which stays flat). What the
-key count changes is the sum over keys in vectors of 16 floats (AVX-512): measured here,
-a row with n visible keys gets the same bits from a masked call of L >= n keys as long as
-L // 16 == n // 16, and a row's result does not depend on the other rows of the call. So
-the chain rows whose visible-key counts share a block of KEY_BLOCK keys go through one
-masked call over the block's longest prefix: one or two calls per layer instead of one per
-row. KEY_BLOCK = 8 divides every x86 vector width torch uses (8 floats with AVX2, 16 with
-AVX-512), so the grouping is safe on either; tests/test_row_invariance.py checks the
-result bit for bit on the machine it runs on. A token-tree row (an alternative) sees its
-extra key out of order, so it keeps a call of its own.
+One call per row costs an SDPA call per extra row per layer of a verification (the
+grouped kernel stays flat). What the key count changes is the sum over keys in vectors of
+16 floats (AVX-512): a row with n visible keys gets the same bits from a masked call of
+L >= n keys as long as L // 16 == n // 16, and a row's result does not depend on the
+other rows of the call. So the chain rows whose visible-key counts share a block of
+KEY_BLOCK keys go through one masked call over the block's longest prefix: one or two
+calls per layer instead of one per row. KEY_BLOCK = 8 divides every x86 vector width
+torch uses (8 floats with AVX2, 16 with AVX-512), so the grouping is safe on either;
+tests/test_row_invariance.py checks the result bit for bit on the machine it runs on. A
+token-tree row (an alternative) sees its extra key out of order, so it keeps a call of
+its own.
+
+Several sessions' rows run in one forward as a PackedBatch: each session's rows get the
+calls above over that session's keys alone, so batching changes no row's attention.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specdec_grouped_sdpa"
 ROWWISE_NAME = "specdec_rowwise_sdpa"
+# transformers' own SDPA function, registered under a name of ours so that it also runs
+# packed batches (PackedBatch); the "sdpa" kernel choice installs it.
+SDPA_NAME = "specdec_sdpa"
+PACKABLE = (NAME, ROWWISE_NAME, SDPA_NAME)  # implementations that run a PackedBatch
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 MAX_QUERY_ROWS = 16
 KEY_BLOCK = 8
@@ -310,12 +317,26 @@ class PackedBatch:
         return (torch.arange(kv_length, device=device) <= last[:, None])[None, None]
 
 
+def packable_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs: Any
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    packing = kwargs.pop(PACKING_KWARG, None)
+    if packing is not None:
+        return packing.attend(module, query, sdpa_attention_forward, dropout, scaling, kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
 AttentionInterface.register(NAME, grouped_sdpa_forward)
+AttentionInterface.register(SDPA_NAME, packable_sdpa_forward)
 AttentionInterface.register(ROWWISE_NAME, rowwise_sdpa_forward)
 # Without a registered mask function transformers builds no mask at all for an unknown
 # attention name; SDPA's own masks are what both paths expect.
 AttentionMaskInterface.register(NAME, sdpa_mask)
 AttentionMaskInterface.register(ROWWISE_NAME, sdpa_mask)
+AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
 
 
 def resolve_attention(kernel: str, device: torch.device,
@@ -337,8 +358,8 @@ def apply_attention_kernel(model: nn.Module, kernel: str) -> str:
     parameter = next(model.parameters())
     chosen = resolve_attention(kernel, parameter.device, parameter.dtype)
     current = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
-    if current not in ("sdpa", NAME, ROWWISE_NAME):
+    if current not in ("sdpa", *PACKABLE):
         return current  # eager, flash, ... models keep their own
-    implementation = {"grouped": NAME, "rowwise": ROWWISE_NAME}.get(chosen, "sdpa")
+    implementation = {"grouped": NAME, "rowwise": ROWWISE_NAME}.get(chosen, SDPA_NAME)
     model.set_attn_implementation(implementation)  # type: ignore[operator]
     return chosen

@@ -1,8 +1,25 @@
 """A causal LM with one KV cache per session: extend, roll back, release, LRU-evict.
 
-Rollback is a crop of the transformers DynamicCache to the committed position; the
-session's TokenHistory says what the cache holds, so a request naming a committed
-position and its fingerprint is checked before anything is computed.
+Rollback is a crop of the transformers DynamicCache to the committed position (a slice,
+no copy); the session's TokenHistory says what the cache holds, so a request naming a
+committed position and its fingerprint is checked before anything is computed.
+
+`extend_batch` serves many sessions per forward: every session's decode-sized rows are
+packed into one sequence, each at its own positions over its own cache (PackedBatch in
+specdec.attention). Under the row-invariant kernels (bfloat16 on CPU: oneDNN linears
+and rowwise attention) a row's logits are then the bits it gets when its session runs
+alone, up to the linear kernel's measured row cap (`max_invariant_rows`; larger batches
+are split into several forwards of whole sessions). Under the other kernels (float32,
+CUDA) a batched row equals its lone self within float tolerance only, so greedy output
+under batching equals serial output bit for bit only with the row-invariant kernels.
+
+Prefills do not share forwards: a catch-up longer than a decode-sized forward runs its
+prefix alone first (the prefill a target-only run of the prompt makes, which keeps
+greedy equality), and only its decode-sized rows join the packed forward. A long
+prompt therefore delays the other sessions of its batch by one prefill forward;
+splitting it into chunks would change the prompt's last row and with it greedy
+equality, so no chunked prefill is offered. Callers that want prefills out of the
+decode batches schedule them as separate calls.
 """
 
 from __future__ import annotations
@@ -18,10 +35,17 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdec.attention import MAX_QUERY_ROWS, NAME, PACKING_KWARG, ROWWISE_NAME, PackedBatch
+from specdec.attention import (
+    MAX_QUERY_ROWS,
+    PACKABLE,
+    PACKING_KWARG,
+    ROWWISE_NAME,
+    PackedBatch,
+)
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
+from specdec.kernels import row_invariant_rows
 from specdec.vocab import VocabAdapter
 
 
@@ -96,7 +120,7 @@ class _Job:
 class ExtendResult:
     logits: torch.Tensor  # [num_logits, usable_rows] fp32, model space
     kv_length: int
-    forward_s: float
+    forward_s: float  # the time of the forwards its rows ran in (shared ones in full)
     tokens_processed: int
     # [hidden_rows, hidden] final-norm outputs of the last hidden_rows tokens, if asked
     hidden: torch.Tensor | None = None
@@ -120,8 +144,14 @@ class ModelRunner:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.needs_target_hidden = is_feature_draft(model)
         self._row_invariant = getattr(config, "_attn_implementation", None) == ROWWISE_NAME
-        # The most rows one packed forward holds (None: no limit here).
-        self.max_batch_rows: int | None = None
+        # Under the row-invariant kernels, the most rows a forward may hold with every row
+        # getting the bits it gets alone (measured on this CPU, once per model); None
+        # otherwise, where batching is correct within float tolerance and only the
+        # caller's batch-size setting limits it.
+        self.max_invariant_rows = row_invariant_rows(model) if self._row_invariant else None
+        # The most rows one packed forward holds; a larger batch is split, whole sessions
+        # per forward.
+        self.max_batch_rows = self.max_invariant_rows
         self.target_hidden_size = int(getattr(model.config, TARGET_HIDDEN_SIZE_KEY, 0)
                                       if self.needs_target_hidden else 0)
 
@@ -206,7 +236,8 @@ class ModelRunner:
         cache. Results come back in request order; a request that fails validation
         (CacheSyncError, InvalidRequest, KVBudgetExhausted) gets its error in its slot,
         is left out of the forward and leaves every cache as it was. Two requests for one
-        session are a caller bug: the second is refused.
+        session are a caller bug: the second is refused. A batch of more rows than
+        max_batch_rows runs as several forwards of whole sessions, in request order.
         """
         results: list[ExtendResult | SpecdecError | None] = [None] * len(requests)
         with self._lock:
@@ -366,10 +397,11 @@ class ModelRunner:
 
     def can_pack(self) -> bool:
         """Whether several sessions' rows can share a forward: the model's attention is
-        one of specdec's kernels (they read the packed layout); otherwise extend_batch
-        runs one forward per session."""
+        one of specdec's registered kernels (they read the packed layout: grouped,
+        rowwise, or transformers' SDPA under specdec's name); otherwise extend_batch runs
+        one forward per session."""
         implementation = getattr(self.model.config, "_attn_implementation", None)
-        return implementation in (NAME, ROWWISE_NAME)
+        return implementation in PACKABLE
 
     def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
         """Consecutive jobs, whole, in forwards of at most max_batch_rows rows."""
