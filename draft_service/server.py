@@ -12,7 +12,7 @@ import grpc
 from draft_service.servicer import DraftServicer
 from specdec.backends import select_backend
 from specdec.grpc_server import ServerHandle
-from specdec.model_service import model_info, serving_runner, start_model_server
+from specdec.model_service import BatchLimits, model_info, serving_runner, start_model_server
 from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)
@@ -32,5 +32,6 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
                             kv_budget_mb=args.kv_budget_mb)
     servicer = DraftServicer(runner, session_ttl_s=args.session_ttl_s,
                              max_draft_tokens=args.max_draft_tokens, telemetry=telemetry,
-                             precision=choice.describe(), executor=executor)
+                             precision=choice.describe(), executor=executor,
+                             limits=BatchLimits.from_args(args))
     return start_model_server(servicer, args, interceptors, telemetry)

@@ -1,4 +1,5 @@
-"""Draft.Propose / Draft.Release: parse, validate, run specdec.steps.draft_step, encode q."""
+"""Draft.Propose / Draft.Release: parse, validate, hand a DraftJob to the batching
+scheduler (specdec.model_service: draft steps in lockstep with other proposals), encode q."""
 
 from __future__ import annotations
 
@@ -11,27 +12,28 @@ from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
 from specdec.grpc_server import Service
 from specdec.grpc_status import rpc_errors
-from specdec.model_service import SessionTable
+from specdec.model_service import BatchLimits, SessionTable
 from specdec.proto.specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.settings import default
-from specdec.steps import DraftOutput, draft_step
+from specdec.steps import DraftJob, DraftOutput
 from specdec.telemetry.service import Telemetry
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, runner: ModelRunner, *,
-                 session_ttl_s: float = default("session-ttl-s"),
+    def __init__(self, runner: ModelRunner, *, session_ttl_s: float = default("session-ttl-s"),
                  max_draft_tokens: int = default("max-draft-tokens"),
                  telemetry: Telemetry | None = None,
-                 precision: str = "", executor: Executor | None = None) -> None:
+                 precision: str = "", executor: Executor | None = None,
+                 limits: BatchLimits | None = None) -> None:
         self.runner = runner
         self.precision = precision  # specdec.draft_precision.Choice.describe()
         self.telemetry = telemetry or Telemetry("draft")
         self.telemetry.watch_runner(runner)
-        self.sessions = SessionTable(runner, session_ttl_s, executor=executor)
+        self.sessions = SessionTable(runner, session_ttl_s, executor=executor, limits=limits)
+        self.telemetry.watch_scheduler(self.sessions.scheduler)
         self.max_draft_tokens = max_draft_tokens
 
     def service(self) -> Service:
@@ -61,28 +63,32 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             raise InvalidRequest("target_hidden_states given to a draft that does not read "
                                  "them (Describe reports target_hidden_size 0)")
 
-        def work() -> tuple[DraftOutput, common_pb2.DraftProbs | None]:
-            # Tensor work stays on the model's thread (see SessionTable.call).
+        def make_job() -> DraftJob:
+            # Tensor work stays on the model's thread (see BatchScheduler.submit).
             target_hidden = None
             if self.runner.needs_target_hidden:
                 target_hidden = wire.decode_hidden(
                     request.target_hidden_states, len(sync.append),
                     self.runner.target_hidden_size, "target_hidden_states")
-            out = draft_step(self.runner, sync, request.num_tokens, params,
-                             request.min_confidence, target_hidden, request.num_alternatives)
+            return DraftJob(self.runner, sync, request.num_tokens, params,
+                            request.min_confidence, target_hidden, request.num_alternatives)
+
+        def finish(job: DraftJob) -> tuple[DraftOutput, common_pb2.DraftProbs | None]:
+            out = job.output()
             # Rows are over the draft's own columns; the token map (if any) names them.
             probs = (None if out.probs is None
                      else wire.encode_probs(out.probs, self.runner.vocab.token_map))
             return out, probs
 
-        out, probs = self.sessions.call(sync.session_id, work)
+        (out, probs), batch = self.sessions.call(sync.session_id, make_job, finish, context)
         # Catch-up tokens in one forward, then one step per further draft token.
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=len(sync.append) + len(out.tokens) - 1,
             kv_length=out.kv_length, committed_position=sync.committed_position,
-            catch_up_tokens=len(sync.append))
+            catch_up_tokens=len(sync.append), batch=batch)
         response = draft_pb2.ProposeResponse(tokens=out.tokens, kv_length=out.kv_length,
-                                             forward_seconds=out.forward_s)
+                                             forward_seconds=out.forward_s,
+                                             batch=batch.to_proto())
         if out.alternatives:
             response.alternatives.CopyFrom(wire.alternatives_to_proto(out.alternatives))
         if probs is not None:

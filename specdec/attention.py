@@ -3,8 +3,8 @@
 SmolLM2 has 9 query heads sharing 3 key/value heads. For one query row transformers
 folds the query heads onto their K/V head ("pack_gqa"), but for the k + 1 rows of a
 verification with an attention mask it expands K and V to 9 heads (`repeat_kv`): a copy
-of the whole cache, every layer, every round (8.8 % of a k=1 round in the py-spy profile,
-docs/performance.md). Here the rows of the query heads that share a K/V head are stacked
+of the whole cache, every layer, every round (a visible share of a round in a py-spy
+profile). Here the rows of the query heads that share a K/V head are stacked
 into one taller query instead, (B, H, q, D) -> (B, H_kv, groups * q, D), with the mask
 repeated per group. Each output row is the same softmax(q K^T + mask) V over the same
 keys; only SDPA's blocking of query rows changes, as it already does with q.
@@ -15,27 +15,31 @@ row or more than MAX_QUERY_ROWS (a prefill) go to transformers' own SDPA functio
 "rowwise" ("specdec_rowwise_sdpa") is the kernel that makes a verification exact in
 reduced precision. SDPA's result for a query row depends on how many keys the call holds
 (its blocking of the key axis), not only on the keys the row may see: in bfloat16 the row
-of a 4-row verification and the same token decoded alone differed by up to 0.4 in the
-logits, and greedy speculative output left the target's own on half the prompts. So every
+of a verification and the same token decoded alone differ in the logits, and greedy
+speculative output leaves the target's own wherever two logits are that close. So every
 decode-sized call (1 to MAX_QUERY_ROWS rows) computes each row alone, over exactly its
 visible keys: the call a one-row decode of that token makes. A row's output is then the
 same whichever forward it was part of.
 
-One call per row cost about 1 ms per extra row of a verification (30 layers of SDPA calls;
-a 5-row forward 56.0 against 51.6 ms with the grouped kernel, which stays flat). What the
-key count changes is the sum over keys in vectors of 16 floats (AVX-512): measured here,
-a row with n visible keys gets the same bits from a masked call of L >= n keys as long as
-L // 16 == n // 16, and a row's result does not depend on the other rows of the call. So
-the chain rows whose visible-key counts share a block of KEY_BLOCK keys go through one
-masked call over the block's longest prefix: one or two calls per layer instead of one per
-row. KEY_BLOCK = 8 divides every x86 vector width torch uses (8 floats with AVX2, 16 with
-AVX-512), so the grouping is safe on either; tests/test_row_invariance.py checks the
-result bit for bit on the machine it runs on. A token-tree row (an alternative) sees its
-extra key out of order, so it keeps a call of its own.
+One call per row costs an SDPA call per extra row per layer of a verification (the
+grouped kernel stays flat). What the key count changes is the sum over keys in vectors of
+16 floats (AVX-512): a row with n visible keys gets the same bits from a masked call of
+L >= n keys as long as L // 16 == n // 16, and a row's result does not depend on the
+other rows of the call. So the chain rows whose visible-key counts share a block of
+KEY_BLOCK keys go through one masked call over the block's longest prefix: one or two
+calls per layer instead of one per row. KEY_BLOCK = 8 divides every x86 vector width
+torch uses (8 floats with AVX2, 16 with AVX-512), so the grouping is safe on either;
+tests/test_row_invariance.py checks the result bit for bit on the machine it runs on. A
+token-tree row (an alternative) sees its extra key out of order, so it keeps a call of
+its own.
+
+Several sessions' rows run in one forward as a PackedBatch: each session's rows get the
+calls above over that session's keys alone, so batching changes no row's attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,15 +52,25 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specdec_grouped_sdpa"
 ROWWISE_NAME = "specdec_rowwise_sdpa"
+# transformers' own SDPA function, registered under a name of ours so that it also runs
+# packed batches (PackedBatch); the "sdpa" kernel choice installs it.
+SDPA_NAME = "specdec_sdpa"
+PACKABLE = (NAME, ROWWISE_NAME, SDPA_NAME)  # implementations that run a PackedBatch
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 MAX_QUERY_ROWS = 16
 KEY_BLOCK = 8
+# The forward kwarg that carries a PackedBatch down to the attention functions
+# (transformers passes a forward's extra kwargs through to them).
+PACKING_KWARG = "specdec_packing"
 
 
 def grouped_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, attention_mask: torch.Tensor | None,
                          dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    packing = kwargs.pop(PACKING_KWARG, None)
+    if packing is not None:
+        return packing.attend(module, query, grouped_sdpa_forward, dropout, scaling, kwargs)
     groups = int(getattr(module, "num_key_value_groups", 1))
     batch, heads, q_length, head_dim = query.shape
     if groups == 1 or not 1 < q_length <= MAX_QUERY_ROWS or kwargs.get("position_bias") \
@@ -88,6 +102,9 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
                          value: torch.Tensor, attention_mask: torch.Tensor | None,
                          dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    packing = kwargs.pop(PACKING_KWARG, None)
+    if packing is not None:
+        return packing.attend(module, query, rowwise_sdpa_forward, dropout, scaling, kwargs)
     batch, heads, q_length, head_dim = query.shape
     kv_heads, kv_length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -97,6 +114,15 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
+    return _rowwise_calls(query, key, value, plan, dropout, scaling), None
+
+
+def _rowwise_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   plan: list[_RowCall], dropout: float, scaling: float | None) -> torch.Tensor:
+    """The rowwise kernel's SDPA calls for one sequence's rows (a plan of _row_calls)."""
+    batch, heads, q_length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
     out = query.new_empty(batch, q_length, heads, value.shape[-1])
     for call in plan:
         rows = len(call.prefixes)
@@ -120,7 +146,7 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         out[:, call.start:call.start + rows] = result.reshape(
             batch, kv_heads, rows, groups, value.shape[-1]).transpose(1, 2).reshape(
             batch, rows, heads, value.shape[-1])
-    return out, None  # (B, q, H, D), as transformers expects
+    return out  # (B, q, H, D), as transformers expects
 
 
 @dataclass(frozen=True)
@@ -174,14 +200,21 @@ def _row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: 
     cached_mask, cached_shape, cached = _last_plan  # one read: other threads replace it
     if cached_mask is mask and cached_shape == shape:
         return cached
+    plan = row_plan(mask, q_length, kv_length, groups, device)
+    _last_plan = (mask, shape, plan)
+    return plan
+
+
+def row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: int,
+             device: torch.device) -> list[_RowCall] | None:
+    """The rowwise kernel's calls for q_length query rows at the end of kv_length keys
+    under mask (None: causal); None for a pattern it does not handle."""
     if mask is None:  # causal, with the queries at the end of the keys
         visible: list[tuple[int, int | None]] | None = [
             (kv_length - q_length + row + 1, None) for row in range(q_length)]
     else:
         visible = _mask_patterns(mask, q_length, kv_length)
-    plan = None if visible is None else _row_calls(visible, groups, device)
-    _last_plan = (mask, shape, plan)
-    return plan
+    return None if visible is None else _row_calls(visible, groups, device)
 
 
 def _mask_patterns(mask: torch.Tensor, q_length: int, kv_length: int
@@ -204,12 +237,106 @@ def _mask_patterns(mask: torch.Tensor, q_length: int, kv_length: int
     return visible
 
 
+class PackedBatch:
+    """Several sequences' new rows as one forward: the model's cache and the attention's
+    layout at once.
+
+    The rows go in as one sequence [1, total rows] with explicit position ids, sequence
+    after sequence. Passed as the model's cache, `update` splits each layer's new keys and
+    values by sequence and appends each part to that sequence's own cache; passed as the
+    PACKING_KWARG forward kwarg, `attend` computes each sequence's rows against exactly
+    that sequence's keys, with the call the kernel makes when the sequence runs alone (the
+    rowwise kernel: the same per-row SDPA calls). A row's attention output is then the
+    same bits whether its sequence ran alone or packed with others.
+
+    transformers' continuous-batching module (PagedAttentionCache) is not used: it has no
+    rollback, and it changes how many keys each row's attention call holds, which changes
+    reduced-precision results.
+    """
+
+    def __init__(self, caches: Sequence[Any], rows: Sequence[int],
+                 masks: Sequence[torch.Tensor | None]) -> None:
+        """caches: each sequence's cache (a transformers Cache); rows: its new rows;
+        masks: its rows' mask over its keys, [1, 1, rows, keys] bool, None for causal."""
+        self.caches = list(caches)
+        self.masks = list(masks)
+        self.bounds: list[tuple[int, int]] = []
+        start = 0
+        for count in rows:
+            self.bounds.append((start, start + count))
+            start += count
+        self._layer: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._plans: dict[int, list[_RowCall] | None] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self._layer = [cache.update(key_states[:, :, begin:end], value_states[:, :, begin:end],
+                                    layer_idx)
+                       for cache, (begin, end) in zip(self.caches, self.bounds, strict=True)]
+        return key_states, value_states
+
+    def attend(self, module: nn.Module, query: torch.Tensor, kernel: Any, dropout: float,
+               scaling: float | None, kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+        outputs = []
+        for index, ((begin, end), (key, value)) in enumerate(
+                zip(self.bounds, self._layer, strict=True)):
+            rows = query[:, :, begin:end]
+            call = kernel
+            if kernel is rowwise_sdpa_forward:
+                plan = self._plan(index, rows.shape[2], key.shape[2], module)
+                if plan is not None:
+                    outputs.append(_rowwise_calls(rows, key, value, plan, dropout, scaling))
+                    continue
+                call = sdpa_attention_forward
+            out, _ = call(module, rows, key, value, self._mask(index, rows.shape[2],
+                                                                key.shape[2]),
+                            dropout=dropout, scaling=scaling, **kwargs)
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), None
+
+    def _plan(self, index: int, q_length: int, kv_length: int, module: nn.Module
+              ) -> list[_RowCall] | None:
+        # Every layer sees the same rows and key counts: one plan per sequence and forward.
+        if index not in self._plans:
+            groups = int(getattr(module, "num_key_value_groups", 1))
+            self._plans[index] = row_plan(self.masks[index], q_length, kv_length, groups,
+                                          self.caches_device())
+        return self._plans[index]
+
+    def caches_device(self) -> torch.device:
+        return self._layer[0][0].device
+
+    def _mask(self, index: int, q_length: int, kv_length: int) -> torch.Tensor | None:
+        """The sequence's mask, explicit: a None mask with several query rows would make
+        SDPA align the causal triangle to the first key, not the last."""
+        mask = self.masks[index]
+        if mask is not None or q_length == 1:
+            return mask
+        device = self.caches_device()
+        last = torch.arange(kv_length - q_length, kv_length, device=device)
+        return (torch.arange(kv_length, device=device) <= last[:, None])[None, None]
+
+
+def packable_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs: Any
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    packing = kwargs.pop(PACKING_KWARG, None)
+    if packing is not None:
+        return packing.attend(module, query, sdpa_attention_forward, dropout, scaling, kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
 AttentionInterface.register(NAME, grouped_sdpa_forward)
+AttentionInterface.register(SDPA_NAME, packable_sdpa_forward)
 AttentionInterface.register(ROWWISE_NAME, rowwise_sdpa_forward)
 # Without a registered mask function transformers builds no mask at all for an unknown
 # attention name; SDPA's own masks are what both paths expect.
 AttentionMaskInterface.register(NAME, sdpa_mask)
 AttentionMaskInterface.register(ROWWISE_NAME, sdpa_mask)
+AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
 
 
 def resolve_attention(kernel: str, device: torch.device,
@@ -231,8 +358,8 @@ def apply_attention_kernel(model: nn.Module, kernel: str) -> str:
     parameter = next(model.parameters())
     chosen = resolve_attention(kernel, parameter.device, parameter.dtype)
     current = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
-    if current not in ("sdpa", NAME, ROWWISE_NAME):
+    if current not in ("sdpa", *PACKABLE):
         return current  # eager, flash, ... models keep their own
-    implementation = {"grouped": NAME, "rowwise": ROWWISE_NAME}.get(chosen, "sdpa")
+    implementation = {"grouped": NAME, "rowwise": ROWWISE_NAME}.get(chosen, SDPA_NAME)
     model.set_attn_implementation(implementation)  # type: ignore[operator]
     return chosen

@@ -1,45 +1,48 @@
 """The linear-layer kernel for decoding-sized batches, chosen by measurement.
 
 Decoding multiplies a few rows (1 token, or the k + 1 of a verification) by every weight
-matrix, so it is bound by reading the weights. On the CPUs measured here (AMD EPYC, MKL,
-float32), `F.linear` does that badly for small row counts: one row goes through a GEMV at
-~10 GB/s, and 2-9 rows through a GEMM path that is slower still (T_target(2) about twice
-T_target(1) for SmolLM2-135M). Computing the transposed product W @ x^T instead reads the
-weights at ~24 GB/s, provided x is row-major (with x^T contiguous the same call is ~5x
-slower), and padding an odd row count to an even one avoids a slow edge case.
-Measured with SmolLM2-135M on 2 threads: T_target(1) 67 -> 37-44 ms, T_draft(1) 6.8 ->
-3.0 ms, T_target(4) 91 -> 54 ms (`specdec bench --costs-only --compare-dtypes
-float32@torch,float32@skinny` reproduces this).
+matrix, so it is bound by reading the weights. On the CPUs measured (AMD EPYC, MKL,
+float32), `F.linear` does that badly for small row counts: one row goes through a slow
+GEMV, and a few rows through a GEMM path that is slower still. Computing the transposed
+product W @ x^T instead reads the weights about twice as fast, provided x is row-major
+(with x^T contiguous the same call is several times slower), and padding an odd row
+count to an even one avoids a slow edge case (docs/performance.md has the numbers;
+`specdec bench --costs-only --compare-dtypes float32@torch,float32@skinny` reproduces
+them).
 
-The product is the same matrix product; only the floating-point summation order differs
-(logits agree to ~1e-3 of magnitude ~10), exactly as they already differ between a 1-row
-and a (k+1)-row forward. It changes nothing else: bfloat16, float16, CUDA and prefills
-(more than SKINNY_MAX_ROWS rows) keep `F.linear`, which is as fast or faster there.
+The product is the same matrix product; only the floating-point summation order differs,
+exactly as it already differs between a 1-row and a (k+1)-row forward. It changes
+nothing else: bfloat16, float16, CUDA and prefills (more than SKINNY_MAX_ROWS rows) keep
+`F.linear`, which is as fast or faster there.
 
 Kernels: "torch" (F.linear everywhere), "skinny" (the above), "onednn" (below), "auto"
 (on CPU skinny for float32 and onednn for bfloat16; torch otherwise).
 
 "onednn" hands the product to oneDNN with the weight reordered once, at load, into its
-blocked layout (the path torch.compile's CPU backend takes for linear layers). Measured on
-the same machine (2 threads, AVX-512, all SmolLM2-135M matrices, median ms for 1/2/4/8
-rows): float32 skinny 24/21/30/45, onednn 22-33 flat; bfloat16 `F.linear` 26/26/28/32,
-onednn 15/20/15/17. Flat in the row count is what a verification needs: k + 1 rows cost
-about what one does. From 2 rows up (2-300 checked) each output row comes from the same
+blocked layout (the path torch.compile's CPU backend takes for linear layers). Its cost
+is nearly flat in the row count, which is what a verification needs: k + 1 rows cost
+about what one does. From 2 rows up to some count each output row comes from the same
 blocked reduction whatever the row count; 1 row takes another path, so 1-3 rows are
 padded to 4 (also the fastest count): a row's logits do not depend on how many rows
 share the forward, which exact verification in bfloat16 needs
-(tests/test_row_invariance.py). Float32 keeps the skinny kernel under "auto": its
-one-row forward measured faster there (T_target(1) 32 vs 44-58 ms). The
-reordered copy is held beside the weight (the weight stays: tied embeddings and
-state_dict read it), so linear weights take twice their memory. Autograd goes through
-`F.linear`: the reordered copy serves inference only, and is rebuilt if the weight changes.
+(tests/test_row_invariance.py), and so does batching several sessions' rows into one
+forward. The count up to which that holds differs by CPU, so `row_invariant_rows`
+measures it when a model is loaded. Float32 keeps the skinny kernel under "auto": its
+one-row forward measured faster there. The reordered copy is held beside the weight
+(the weight stays: tied embeddings and state_dict read it), so linear weights take
+twice their memory. Autograd goes through `F.linear`: the reordered copy serves
+inference only, and is rebuilt if the weight changes.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "skinny", "onednn")
 SKINNY_MAX_ROWS = 16  # beyond this (a prefill) the regular GEMM path is efficient
@@ -90,9 +93,8 @@ class OneDnnLinear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(
                 input, self._packed_weight(), self.bias, "none", [], "")
         # One row takes a GEMV path whose summation order differs from every other row
-        # count's (measured: K = 1536), and two rows a slow one (20 ms for SmolLM2's
-        # matrices in bfloat16 vs 16 ms at four, 18 ms at one). Padded to four rows, a
-        # row's result is the same in a decode, a verification and a prefill, and faster.
+        # count's, and two rows a slow one. Padded to four rows, a row's result is the
+        # same in a decode, a verification and a prefill, and faster.
         flat = F.pad(input.reshape(rows, features), (0, 0, 0, ONEDNN_MIN_ROWS - rows))
         out = torch.ops.mkldnn._linear_pointwise(
             flat, self._packed_weight(), self.bias, "none", [], "")[:rows]
@@ -136,3 +138,64 @@ def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
         if type(module) in _KERNEL_CLASSES.values():
             module.__class__ = new_class
     return chosen
+
+
+ROW_INVARIANCE_PROBE_CAP = 256  # the largest row count the load-time probe checks
+_ROW_INVARIANT_ROWS_ATTR = "_specdec_row_invariant_rows"
+
+
+def row_invariant_rows(model: nn.Module, cap: int = ROW_INVARIANCE_PROBE_CAP) -> int | None:
+    """The largest row count n <= cap for which the model's oneDNN linears give every row
+    of an n-row product the bits a 4-row product gives that row; None when its linears
+    are not the oneDNN kernel (no such guarantee is made for the others).
+
+    oneDNN sums a row's products in an order that depends on the row count only beyond
+    some count that differs by CPU, so it is measured: one weight matrix per distinct
+    input width of the model (the reduction length is what the order depends on), on a
+    seeded random probe, every n from ONEDNN_MIN_ROWS to cap. Measured once per model
+    object and remembered on it.
+    """
+    known = getattr(model, _ROW_INVARIANT_ROWS_ATTR, False)
+    if known is not False:
+        return known  # type: ignore[no-any-return]
+    layers: dict[int, OneDnnLinear] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, OneDnnLinear):
+            layers.clear()
+            break
+        if isinstance(module, OneDnnLinear):
+            current = layers.get(module.in_features)
+            if current is None or module.out_features < current.out_features:
+                layers[module.in_features] = module
+    result: int | None = None
+    if layers and all(layer.weight.device.type == "cpu"
+                      and layer.weight.dtype in ONEDNN_DTYPES for layer in layers.values()):
+        result = min(_invariant_rows(layer, cap) for layer in layers.values())
+        log.info("linear kernel row-invariant up to %d rows per forward (checked to %d); "
+                 "larger batches are split", result, cap)
+    setattr(model, _ROW_INVARIANT_ROWS_ATTR, result)
+    return result
+
+
+def _probe_counts(cap: int) -> list[int]:
+    """Every row count up to 64 (thresholds such as 32 sit there), then every eighth."""
+    return [*range(ONEDNN_MIN_ROWS + 1, min(cap, 64) + 1), *range(72, cap + 1, 8)]
+
+
+@torch.inference_mode()
+def _invariant_rows(layer: OneDnnLinear, cap: int) -> int:
+    """The probe repeats one block of ONEDNN_MIN_ROWS rows, so one 4-row product is the
+    reference for every row: a row whose bits depend on its place or on the row count
+    shows up as a mismatch."""
+    generator = torch.Generator().manual_seed(0)
+    block = torch.randn(ONEDNN_MIN_ROWS, layer.in_features, generator=generator)
+    block = block.to(layer.weight.dtype)
+    reference = layer(block)
+    probe = block.repeat(-(-cap // ONEDNN_MIN_ROWS), 1)
+    expected = reference.repeat(-(-cap // ONEDNN_MIN_ROWS), 1)
+    verified = ONEDNN_MIN_ROWS
+    for rows in _probe_counts(cap):
+        if not torch.equal(layer(probe[:rows]), expected[:rows]):
+            return verified
+        verified = rows
+    return verified

@@ -1,17 +1,29 @@
-"""What the draft and target services share: model loading and session bookkeeping.
+"""What the draft and target services share: model loading, session bookkeeping and the
+batching scheduler.
 
 `SessionTable` serialises calls of one session (a client that timed out may retry while
 its first call still runs; interleaved extends would scramble the cache) and expires
 sessions nobody released: a coordinator that crashed mid-generation must not pin KV
 memory forever. ModelRunner itself only knows LRU eviction under its byte budget.
 
+`BatchScheduler` runs the calls of different sessions together (continuous batching):
+every call is a job of forward steps (specdec.steps); the calls waiting when a forward
+ends join the next one, which takes one step of every running job, so a Verify is one
+forward shared with the other sessions' Verify calls and a Propose's draft steps go in
+lockstep with the other proposals still drafting. A job leaves when it ends (its length
+or confidence gate), a newcomer joins at the next step. Limits: sessions and token rows
+per forward; a call over the row limit or longer than a decode-sized forward (a new
+session's prompt) is a prefill and runs on its own between decode batches, at most
+max_prefills after each, so a long prompt delays the others' next step by one prefill
+instead of growing every forward it shares. A call whose gRPC context is no longer
+active (cancelled, deadline passed) leaves before the next forward and its session's
+cache is released.
+
 Model work runs on one thread per process, whichever gRPC worker received the call:
 under `specdec serve` the main thread (specdec.compute), elsewhere a compute thread of
-the table's own. OpenMP keeps a thread team per calling thread: calls landing on
-whichever of 32 workers is free started or woke a different team each time, which made 2
-intra-op threads slower than 1 in a service (docs/performance.md). One thread
-reuses one team. Forwards of different sessions queue instead of running side by side,
-which on a CPU they could only do by splitting the same cores.
+the table's own. OpenMP keeps a thread team per calling thread, so one thread reuses one
+team; forwards never run side by side, which on a CPU they could only do by splitting the
+same cores.
 """
 
 from __future__ import annotations
@@ -22,30 +34,288 @@ import contextvars
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 import torch
 
+from specdec.attention import MAX_QUERY_ROWS
+from specdec.errors import ServiceUnavailable, SpecdecError
 from specdec.grpc_server import ServerHandle, Service, build_server
 from specdec.models import LoadedModel, load_causal_lm, resolve
+from specdec.proto.specdec.v1 import common_pb2
 from specdec.runner import ModelRunner
 from specdec.settings import default
+from specdec.steps import Job, step_jobs
+
+DEFAULT_MAX_BATCH_SESSIONS: int = default("max-batch-sessions")
+DEFAULT_MAX_BATCH_ROWS: int = default("max-batch-rows")
+DEFAULT_MAX_BATCH_PREFILLS: int = default("max-batch-prefills")
 
 if TYPE_CHECKING:
     from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+J = TypeVar("J", bound=Job)
+
+
+class CallCancelled(SpecdecError):
+    """The caller went away (cancelled, deadline passed) before its call finished."""
+
+    code = "CANCELLED"
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_sessions: int = DEFAULT_MAX_BATCH_SESSIONS
+    max_rows: int = DEFAULT_MAX_BATCH_ROWS
+    max_prefills: int = DEFAULT_MAX_BATCH_PREFILLS
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.max_rows < 1 or self.max_prefills < 1:
+            raise ValueError(f"batch limits must be at least 1, got {self}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | Any) -> BatchLimits:
+        return cls(getattr(args, "max_batch_sessions", DEFAULT_MAX_BATCH_SESSIONS),
+                   getattr(args, "max_batch_rows", DEFAULT_MAX_BATCH_ROWS),
+                   getattr(args, "max_batch_prefills", DEFAULT_MAX_BATCH_PREFILLS))
+
+
+@dataclass
+class BatchInfo:
+    """The forward a call ran in: for a multi-step call, the step with most sessions."""
+
+    sessions: int = 0
+    rows: int = 0
+    queue_wait_s: float = 0.0
+    queued: int = 0
+
+    def to_proto(self) -> common_pb2.BatchInfo:
+        return common_pb2.BatchInfo(sessions=self.sessions, rows=self.rows,
+                                    queue_wait_seconds=self.queue_wait_s, queued=self.queued)
+
+
+class BatchObserver(Protocol):
+    """What the scheduler reports (specdec.telemetry.metrics.ModelServiceMetrics)."""
+
+    def observe_forward(self, sessions: int, rows: int) -> None: ...
+
+    def observe_queue_wait(self, seconds: float) -> None: ...
+
+
+@dataclass
+class _Call(Generic[T]):
+    session_id: str
+    make_job: Callable[[], Job]
+    finish: Callable[[Any], T]
+    context: grpc.ServicerContext | None
+    future: Future[tuple[T, BatchInfo]]
+    enqueued: float
+    job: Job | None = None
+    rows: int = 0
+    batch: BatchInfo = field(default_factory=BatchInfo)
+
+    def gone(self) -> bool:
+        return self.context is not None and not self.context.is_active()
+
+
+class BatchScheduler:
+    """Runs jobs of many sessions in shared forwards on the model's thread (see module
+    docstring). submit() blocks its gRPC worker until the call's job has finished."""
+
+    def __init__(self, runner: ModelRunner, executor: Executor, limits: BatchLimits,
+                 release: Callable[[str], object]) -> None:
+        self.runner = runner
+        self.limits = limits
+        self.observer: BatchObserver | None = None
+        self._executor = executor
+        self._release = release
+        self._lock = threading.Lock()
+        self._waiting: deque[_Call[Any]] = deque()  # no forward yet
+        self._running: list[_Call[Any]] = []  # jobs with more steps to go
+        self._driving = False
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Calls waiting for their first forward."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Calls with a job in progress (proposals between draft steps)."""
+        return len(self._running)
+
+    def submit(self, session_id: str, make_job: Callable[[], J], finish: Callable[[J], T],
+               context: grpc.ServicerContext | None = None) -> tuple[T, BatchInfo]:
+        """make_job and finish run on the model's thread: every tensor op of a request
+        belongs there, not on the gRPC worker (a torch op on another thread starts
+        another OpenMP team, and more OpenMP threads than cores make every team sleep
+        between its GEMMs). The caller's context (its tracing span) goes along."""
+        ctx = contextvars.copy_context()
+        call: _Call[T] = _Call(session_id, lambda: ctx.run(make_job),
+                               lambda job: ctx.run(finish, job), context, Future(),
+                               time.perf_counter())
+        with self._lock:
+            if self._closed:
+                raise ServiceUnavailable("the model service is stopping")
+            self._waiting.append(call)
+            start = not self._driving
+            self._driving = True
+        if start:
+            try:
+                self._executor.submit(self._drive)
+            except RuntimeError as error:  # the executor is shutting down
+                with self._lock:
+                    self._driving = False
+                raise ServiceUnavailable(str(error)) from None
+        return call.future.result()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            calls = [*self._waiting, *self._running]
+            self._waiting.clear()
+            self._running.clear()
+        for call in calls:
+            _fail(call, ServiceUnavailable("the model service is stopping"))
+
+    # -- on the model's thread --------------------------------------------------------------
+    def _drive(self) -> None:
+        """Forwards back to back while any call waits or runs."""
+        while True:
+            with self._lock:
+                if not self._waiting and not self._running:
+                    self._driving = False
+                    return
+            try:
+                self._iterate()
+            except BaseException as error:  # a bug here must not leave callers hanging
+                log.exception("batch scheduler failed")
+                with self._lock:
+                    calls = [*self._waiting, *self._running]
+                    self._waiting.clear()
+                    self._running.clear()
+                    self._driving = False
+                for call in calls:
+                    _fail(call, error if isinstance(error, Exception)
+                          else ServiceUnavailable(repr(error)))
+                if not isinstance(error, Exception):
+                    raise
+                return
+
+    def _iterate(self) -> None:
+        """One decode batch (the running jobs' next steps, then newcomers in arrival order
+        within the limits), then up to max_prefills prefills, each alone."""
+        limits = self.limits
+        with self._lock:
+            running, self._running = self._running, []
+            newcomers = list(self._waiting)
+            self._waiting.clear()
+        running = self._drop_gone(running)
+        newcomers = self._drop_gone(newcomers)
+        batch: list[_Call[Any]] = []
+        rows = 0
+        for call in running:  # lockstep: every running job steps in every forward
+            rows += call.rows
+            batch.append(call)
+        prefills: list[_Call[Any]] = []
+        deferred: list[_Call[Any]] = []
+        for call in newcomers:
+            if not self._start(call):
+                continue
+            if call.rows > MAX_QUERY_ROWS or call.rows > limits.max_rows:
+                if len(prefills) < limits.max_prefills:
+                    prefills.append(call)
+                else:
+                    deferred.append(call)
+            elif len(batch) < limits.max_sessions and rows + call.rows <= limits.max_rows:
+                batch.append(call)
+                rows += call.rows
+            else:
+                deferred.append(call)
+        if deferred:
+            with self._lock:
+                self._waiting.extendleft(reversed(deferred))  # first in line next time
+        if batch:
+            self._forward(batch)
+        for call in prefills:
+            self._forward([call])
+
+    def _drop_gone(self, calls: list[_Call[Any]]) -> list[_Call[Any]]:
+        kept = []
+        for call in calls:
+            if call.gone():
+                self._release(call.session_id)  # its cache would only wait for the TTL
+                _fail(call, CallCancelled(f"session {call.session_id!r}: the caller "
+                                          "cancelled or its deadline passed"))
+            else:
+                kept.append(call)
+        return kept
+
+    def _start(self, call: _Call[Any]) -> bool:
+        """Build a newcomer's job (its tensors decoded here); False if that failed."""
+        if call.job is not None:
+            return True
+        try:
+            call.job = call.make_job()
+            call.rows = len(call.job.request().tokens)
+        except Exception as error:  # noqa: BLE001 - the caller's own bad input
+            _fail(call, error)
+            return False
+        return True
+
+    def _forward(self, batch: list[_Call[Any]]) -> None:
+        started = time.perf_counter()
+        rows = sum(call.rows for call in batch)
+        queued = self.queued
+        for call in batch:
+            if call.batch.sessions == 0:
+                call.batch.queue_wait_s = started - call.enqueued
+                call.batch.queued = queued
+                if self.observer is not None:
+                    self.observer.observe_queue_wait(call.batch.queue_wait_s)
+            if len(batch) > call.batch.sessions:
+                call.batch.sessions, call.batch.rows = len(batch), rows
+        if self.observer is not None:
+            self.observer.observe_forward(len(batch), rows)
+        try:
+            jobs: list[Job] = [call.job for call in batch if call.job is not None]
+            outcomes = step_jobs(self.runner, jobs)
+        except Exception as error:  # noqa: BLE001 - the forward itself failed: all its calls
+            outcomes = [error] * len(batch)
+        still = []
+        for call, outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                _fail(call, outcome)
+            elif outcome:
+                try:
+                    call.future.set_result((call.finish(call.job), call.batch))
+                except Exception as error:  # noqa: BLE001
+                    _fail(call, error)
+            else:
+                call.rows = len(call.job.request().tokens)  # type: ignore[union-attr]
+                still.append(call)
+        if still:
+            with self._lock:
+                self._running.extend(still)
+
+
+def _fail(call: _Call[Any], error: BaseException) -> None:
+    if not call.future.done():
+        call.future.set_exception(error)
 
 
 class SessionTable:
     def __init__(self, runner: ModelRunner, ttl_s: float = default("session-ttl-s"),
                  clock: Callable[[], float] = time.monotonic,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, limits: BatchLimits | None = None) -> None:
         """executor: where model work runs (`specdec serve` passes its main thread's);
         default a compute thread of this table's own."""
         self.runner = runner
@@ -58,23 +328,19 @@ class SessionTable:
         self._thread: threading.Thread | None = None
         self._compute = executor or ThreadPoolExecutor(max_workers=1,
                                                        thread_name_prefix="compute")
+        self.scheduler = BatchScheduler(runner, self._compute, limits or BatchLimits(),
+                                        self.release)
 
-    def call(self, session_id: str, work: Callable[[], T]) -> T:
-        """Run work on the model's thread, after the session's earlier calls.
-
-        Every tensor op of a request belongs in work, not only the forward: a torch op on
-        a gRPC worker thread starts another OpenMP team there, and once a process holds
-        more OpenMP threads than cores libgomp shortens every team's spin, so the
-        forward's team sleeps between its GEMMs (T=1 Verify forwards went 35 -> 55 ms
-        after probabilities were decoded on worker threads; docs/performance.md).
-        """
+    def call(self, session_id: str, make_job: Callable[[], J], finish: Callable[[J], T],
+             context: grpc.ServicerContext | None = None) -> tuple[T, BatchInfo]:
+        """Run a call's job in the scheduler's shared forwards, after the session's
+        earlier calls (see BatchScheduler.submit)."""
         with self._guard:
             lock = self._locks.setdefault(session_id, threading.Lock())
             self._last_used[session_id] = self._clock()
         with lock:
             try:
-                # The caller's context (its tracing span) goes along to the model's thread.
-                return self._compute.submit(contextvars.copy_context().run, work).result()
+                return self.scheduler.submit(session_id, make_job, finish, context)
             finally:
                 with self._guard:
                     if session_id in self._locks:
@@ -118,6 +384,7 @@ class SessionTable:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self.scheduler.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
 
 

@@ -1,8 +1,25 @@
 """A causal LM with one KV cache per session: extend, roll back, release, LRU-evict.
 
-Rollback is a crop of the transformers DynamicCache to the committed position; the
-session's TokenHistory says what the cache holds, so a request naming a committed
-position and its fingerprint is checked before anything is computed.
+Rollback is a crop of the transformers DynamicCache to the committed position (a slice,
+no copy); the session's TokenHistory says what the cache holds, so a request naming a
+committed position and its fingerprint is checked before anything is computed.
+
+`extend_batch` serves many sessions per forward: every session's decode-sized rows are
+packed into one sequence, each at its own positions over its own cache (PackedBatch in
+specdec.attention). Under the row-invariant kernels (bfloat16 on CPU: oneDNN linears
+and rowwise attention) a row's logits are then the bits it gets when its session runs
+alone, up to the linear kernel's measured row cap (`max_invariant_rows`; larger batches
+are split into several forwards of whole sessions). Under the other kernels (float32,
+CUDA) a batched row equals its lone self within float tolerance only, so greedy output
+under batching equals serial output bit for bit only with the row-invariant kernels.
+
+Prefills do not share forwards: a catch-up longer than a decode-sized forward runs its
+prefix alone first (the prefill a target-only run of the prompt makes, which keeps
+greedy equality), and only its decode-sized rows join the packed forward. A long
+prompt therefore delays the other sessions of its batch by one prefill forward;
+splitting it into chunks would change the prompt's last row and with it greedy
+equality, so no chunked prefill is offered. Callers that want prefills out of the
+decode batches schedule them as separate calls.
 """
 
 from __future__ import annotations
@@ -13,14 +30,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdec.attention import MAX_QUERY_ROWS, ROWWISE_NAME
-from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
+from specdec.attention import (
+    MAX_QUERY_ROWS,
+    PACKABLE,
+    PACKING_KWARG,
+    ROWWISE_NAME,
+    PackedBatch,
+)
+from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
+from specdec.kernels import row_invariant_rows
 from specdec.vocab import VocabAdapter
 
 
@@ -42,10 +67,60 @@ class Session:
 
 
 @dataclass(frozen=True)
+class ExtendRequest:
+    """One session's extend (the arguments of `ModelRunner.extend`)."""
+
+    session_id: str
+    committed_position: int
+    fingerprint: int
+    tokens: list[int]
+    num_logits: int = 1
+    hidden_rows: int = 0
+    target_hidden: torch.Tensor | None = None  # [len(tokens), target hidden]
+    branch_positions: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A request that passed its checks, with its session rolled back to its position."""
+
+    index: int
+    request: ExtendRequest
+    session: Session
+
+
+@dataclass
+class _Job:
+    """An admitted request on its way through one or more forwards."""
+
+    entry: _Admitted
+    start: int  # tokens the session holds before this extend
+    positions: list[int]  # each new token's absolute position
+    chain_length: int  # tokens that stay (the rest are token-tree branches)
+    pieces: list[tuple[int, int]]  # its forwards, as [begin, end) token ranges
+    logits: list[torch.Tensor] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)
+    forward_s: float = 0.0
+
+    @staticmethod
+    def rows(piece: tuple[int, int]) -> int:
+        return piece[1] - piece[0]
+
+    def logit_rows(self, piece: tuple[int, int]) -> int:
+        """How many of the piece's rows are among the request's last num_logits."""
+        first = len(self.entry.request.tokens) - self.entry.request.num_logits
+        return max(0, piece[1] - max(piece[0], first))
+
+    def target_hidden(self, piece: tuple[int, int]) -> torch.Tensor | None:
+        target_hidden = self.entry.request.target_hidden
+        return None if target_hidden is None else target_hidden[piece[0]:piece[1]]
+
+
+@dataclass(frozen=True)
 class ExtendResult:
     logits: torch.Tensor  # [num_logits, usable_rows] fp32, model space
     kv_length: int
-    forward_s: float
+    forward_s: float  # the time of the forwards its rows ran in (shared ones in full)
     tokens_processed: int
     # [hidden_rows, hidden] final-norm outputs of the last hidden_rows tokens, if asked
     hidden: torch.Tensor | None = None
@@ -69,6 +144,14 @@ class ModelRunner:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.needs_target_hidden = is_feature_draft(model)
         self._row_invariant = getattr(config, "_attn_implementation", None) == ROWWISE_NAME
+        # Under the row-invariant kernels, the most rows a forward may hold with every row
+        # getting the bits it gets alone (measured on this CPU, once per model); None
+        # otherwise, where batching is correct within float tolerance and only the
+        # caller's batch-size setting limits it.
+        self.max_invariant_rows = row_invariant_rows(model) if self._row_invariant else None
+        # The most rows one packed forward holds; a larger batch is split, whole sessions
+        # per forward.
+        self.max_batch_rows = self.max_invariant_rows
         self.target_hidden_size = int(getattr(model.config, TARGET_HIDDEN_SIZE_KEY, 0)
                                       if self.needs_target_hidden else 0)
 
@@ -102,22 +185,6 @@ class ModelRunner:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
 
-    def _evict_for(self, keep: str, incoming_tokens: int) -> None:
-        if self.kv_budget_bytes is None:
-            return
-        current = self._sessions.get(keep)
-        held = current.kv_bytes() if current else 0
-        needed = incoming_tokens * self._bytes_per_token()
-        if held + needed > self.kv_budget_bytes:
-            # Evicting others cannot help, so refuse before touching anyone's cache.
-            raise KVBudgetExhausted(
-                f"KV cache budget of {self.kv_budget_bytes} bytes cannot hold this session "
-                f"({held} bytes held + {needed} bytes for {incoming_tokens} new tokens); "
-                "raise SPECDEC_KV_BUDGET_MB or shorten the request")
-        while self.total_kv_bytes() + needed > self.kv_budget_bytes:
-            victim = next(sid for sid in self._sessions if sid != keep)  # least recently used
-            del self._sessions[victim]
-
     def _bytes_per_token(self) -> int:
         config = self.model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -143,53 +210,12 @@ class ModelRunner:
         tokens hold there). Branches get logits like any row and leave the cache after
         the forward; the session then holds the other tokens.
         """
-        if not tokens:
-            raise InvalidRequest("extend needs at least one new token")
-        chain_length = len(tokens) - len(branch_positions)
-        if chain_length < 1 or any(not committed_position < position
-                                   <= committed_position + chain_length
-                                   for position in branch_positions):
-            raise InvalidRequest(
-                f"branch positions {list(branch_positions)} must lie in "
-                f"({committed_position}, {committed_position + chain_length}] after at "
-                "least one token of the chain")
-        if not 1 <= num_logits <= len(tokens):
-            raise InvalidRequest(f"num_logits must be in [1, {len(tokens)}], got {num_logits}")
-        if not 0 <= hidden_rows <= len(tokens):
-            raise InvalidRequest(f"hidden_rows must be in [0, {len(tokens)}], got {hidden_rows}")
-        if self.needs_target_hidden:
-            if target_hidden is None or tuple(target_hidden.shape) != (len(tokens),
-                                                                        self.target_hidden_size):
-                shape = None if target_hidden is None else tuple(target_hidden.shape)
-                raise InvalidRequest(
-                    f"this draft reads the target's hidden states: expected "
-                    f"[{len(tokens)}, {self.target_hidden_size}] for {len(tokens)} tokens, "
-                    f"got {shape}")
-        elif target_hidden is not None:
-            raise InvalidRequest("target hidden states given to a model that does not read them")
-        with self._lock:
-            session = self._checked_session(session_id, committed_position, fingerprint)
-            new_length = committed_position + len(tokens)
-            if new_length > self.max_context:
-                raise InvalidRequest(
-                    f"sequence of {new_length} tokens exceeds the model context of "
-                    f"{self.max_context}")
-            self._evict_for(session_id, len(tokens))
-            if session is None:
-                session = Session()
-                self._sessions[session_id] = session
-            self._sessions.move_to_end(session_id)
-            session.last_used = time.monotonic()
-            if session.cache is not None and len(session.history) > committed_position:
-                session.cache.crop(committed_position - len(session.history))
-            session.history.truncate(committed_position)
-            started = time.perf_counter()
-            logits, hidden = self._forward(session, tokens, num_logits, hidden_rows,
-                                           target_hidden, branch_positions)
-            forward_s = time.perf_counter() - started
-            session.history.extend(tokens[:chain_length])
-            return ExtendResult(logits[-num_logits:], len(session.history), forward_s,
-                                len(tokens), hidden)
+        result = self.extend_batch([ExtendRequest(
+            session_id, committed_position, fingerprint, list(tokens), num_logits,
+            hidden_rows, target_hidden, tuple(branch_positions))])[0]
+        if isinstance(result, SpecdecError):
+            raise result
+        return result
 
     def append(self, session_id: str, tokens: list[int], *, hidden_rows: int = 0,
                target_hidden: torch.Tensor | None = None) -> ExtendResult:
@@ -202,13 +228,277 @@ class ModelRunner:
             return self.extend(session_id, held, session.history.fingerprint(), tokens,
                                hidden_rows=hidden_rows, target_hidden=target_hidden)
 
-    def _checked_session(self, session_id: str, committed_position: int,
-                         fingerprint: int) -> Session | None:
-        session = self._sessions.get(session_id)
-        if committed_position == 0:
-            if session is not None:
+    def extend_batch(self, requests: Sequence[ExtendRequest]
+                     ) -> list[ExtendResult | SpecdecError]:
+        """What `extend` does for each request, with every request's rows in one forward.
+
+        Each request's new rows run at their own positions over their own session's
+        cache. Results come back in request order; a request that fails validation
+        (CacheSyncError, InvalidRequest, KVBudgetExhausted) gets its error in its slot,
+        is left out of the forward and leaves every cache as it was. Two requests for one
+        session are a caller bug: the second is refused. A batch of more rows than
+        max_batch_rows runs as several forwards of whole sessions, in request order.
+        """
+        results: list[ExtendResult | SpecdecError | None] = [None] * len(requests)
+        with self._lock:
+            admitted = self._admit(requests, results)
+            if admitted:
+                self._run(admitted, results)
+        return [result for result in results if result is not None]
+
+    def _validate(self, request: ExtendRequest) -> None:
+        tokens, committed_position = request.tokens, request.committed_position
+        if not tokens:
+            raise InvalidRequest("extend needs at least one new token")
+        if committed_position < 0:
+            raise InvalidRequest(f"committed position must be >= 0, got {committed_position}")
+        chain_length = len(tokens) - len(request.branch_positions)
+        if chain_length < 1 or any(not committed_position < position
+                                   <= committed_position + chain_length
+                                   for position in request.branch_positions):
+            raise InvalidRequest(
+                f"branch positions {list(request.branch_positions)} must lie in "
+                f"({committed_position}, {committed_position + chain_length}] after at "
+                "least one token of the chain")
+        if not 1 <= request.num_logits <= len(tokens):
+            raise InvalidRequest(
+                f"num_logits must be in [1, {len(tokens)}], got {request.num_logits}")
+        if not 0 <= request.hidden_rows <= len(tokens):
+            raise InvalidRequest(
+                f"hidden_rows must be in [0, {len(tokens)}], got {request.hidden_rows}")
+        target_hidden = request.target_hidden
+        if self.needs_target_hidden:
+            if target_hidden is None or tuple(target_hidden.shape) != (len(tokens),
+                                                                        self.target_hidden_size):
+                shape = None if target_hidden is None else tuple(target_hidden.shape)
+                raise InvalidRequest(
+                    f"this draft reads the target's hidden states: expected "
+                    f"[{len(tokens)}, {self.target_hidden_size}] for {len(tokens)} tokens, "
+                    f"got {shape}")
+        elif target_hidden is not None:
+            raise InvalidRequest("target hidden states given to a model that does not read them")
+        new_length = committed_position + len(tokens)
+        if new_length > self.max_context:
+            raise InvalidRequest(
+                f"sequence of {new_length} tokens exceeds the model context of "
+                f"{self.max_context}")
+
+    def _admit(self, requests: Sequence[ExtendRequest],
+               results: list[ExtendResult | SpecdecError | None]) -> list[_Admitted]:
+        """Check every request, fit the survivors in the KV budget (evicting LRU sessions
+        outside the batch), then roll their sessions back. Nothing is touched until a
+        request has passed every check."""
+        checked: list[tuple[int, ExtendRequest, Session | None]] = []
+        seen: set[str] = set()
+        per_token = self._bytes_per_token()
+        for index, request in enumerate(requests):
+            try:
+                if request.session_id in seen:
+                    raise InvalidRequest(
+                        f"session {request.session_id!r} appears twice in one batch; a "
+                        "session runs one extend at a time")
+                seen.add(request.session_id)
+                self._validate(request)
+                session = self._checked_session(request.session_id,
+                                                request.committed_position, request.fingerprint)
+                if self.kv_budget_bytes is not None:
+                    held = session.kv_bytes() if session is not None else 0
+                    needed = len(request.tokens) * per_token
+                    if min(held, request.committed_position * per_token) + needed \
+                            > self.kv_budget_bytes:
+                        # Evicting others cannot help, so refuse before touching any cache.
+                        raise KVBudgetExhausted(
+                            f"KV cache budget of {self.kv_budget_bytes} bytes cannot hold "
+                            f"this session ({held} bytes held + {needed} bytes for "
+                            f"{len(request.tokens)} new tokens); raise SPECDEC_KV_BUDGET_MB "
+                            "or shorten the request")
+            except SpecdecError as error:
+                results[index] = error
+                continue
+            checked.append((index, request, session))
+        checked = self._fit_budget(checked, results, per_token)
+        admitted: list[_Admitted] = []
+        for index, request, maybe_session in checked:
+            session = maybe_session
+            if session is None:
+                session = Session()
+                self._sessions[request.session_id] = session
+            elif request.committed_position == 0:
                 session.history.truncate(0)
                 session.cache = None
+            self._sessions.move_to_end(request.session_id)
+            session.last_used = time.monotonic()
+            if session.cache is not None and len(session.history) > request.committed_position:
+                session.cache.crop(request.committed_position - len(session.history))
+            session.history.truncate(request.committed_position)
+            admitted.append(_Admitted(index, request, session))
+        return admitted
+
+    def _fit_budget(self, checked: list[tuple[int, ExtendRequest, Session | None]],
+                    results: list[ExtendResult | SpecdecError | None], per_token: int
+                    ) -> list[tuple[int, ExtendRequest, Session | None]]:
+        """Evict least recently used sessions outside the batch until the batch's sessions
+        fit after the forward; requests that still do not fit (the batch's own sessions
+        exceed the budget together) are refused, last first."""
+        if self.kv_budget_bytes is None or not checked:
+            return checked
+        budget = self.kv_budget_bytes
+        in_batch = {request.session_id for _, request, _ in checked}
+
+        def batch_bytes(entries: list[tuple[int, ExtendRequest, Session | None]]) -> int:
+            return sum((request.committed_position + len(request.tokens)) * per_token
+                       for _, request, _ in entries)
+
+        def others_bytes() -> int:
+            return sum(session.kv_bytes() for session_id, session in self._sessions.items()
+                       if session_id not in in_batch)
+
+        need = batch_bytes(checked)
+        while others_bytes() + need > budget:
+            victim = next((sid for sid in self._sessions if sid not in in_batch), None)
+            if victim is None:
+                break
+            del self._sessions[victim]
+        while len(checked) > 1 and batch_bytes(checked) > budget:
+            index, request, _ = checked.pop()
+            results[index] = KVBudgetExhausted(
+                f"KV cache budget of {budget} bytes cannot hold this session beside the "
+                f"{len(checked)} others sharing its forward; retry, or raise "
+                "SPECDEC_KV_BUDGET_MB")
+        return checked
+
+    def _run(self, admitted: list[_Admitted],
+             results: list[ExtendResult | SpecdecError | None]) -> None:
+        """The admitted requests' forwards: each session's prefill pieces alone, then
+        the sessions' decode-sized rows packed into as few forwards as the row cap
+        allows (whole sessions per forward)."""
+        jobs = [self._job(entry) for entry in admitted]
+        packable = len(jobs) > 1 and self.can_pack()
+        batched: list[_Job] = []
+        try:
+            with torch.inference_mode():
+                for job in jobs:
+                    join = packable and job.rows(job.pieces[-1]) <= MAX_QUERY_ROWS
+                    for piece in job.pieces[:-1] if join else job.pieces:
+                        self._run_alone(job, piece)
+                    if join:
+                        batched.append(job)
+                for group in self._groups(batched):
+                    if len(group) == 1:
+                        self._run_alone(group[0], group[0].pieces[-1])
+                    else:
+                        self._run_packed(group)
+        except BaseException:
+            for job in jobs:  # a forward failed part-way: these caches are in doubt
+                self._sessions.pop(job.entry.request.session_id, None)
+            raise
+        for job in jobs:
+            results[job.entry.index] = self._finish(job)
+
+    def can_pack(self) -> bool:
+        """Whether several sessions' rows can share a forward: the model's attention is
+        one of specdec's registered kernels (they read the packed layout: grouped,
+        rowwise, or transformers' SDPA under specdec's name); otherwise extend_batch runs
+        one forward per session."""
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        return implementation in PACKABLE
+
+    def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
+        """Consecutive jobs, whole, in forwards of at most max_batch_rows rows."""
+        groups: list[list[_Job]] = []
+        rows = 0
+        for job in jobs:
+            count = job.rows(job.pieces[-1])
+            if not groups or (self.max_batch_rows is not None
+                              and rows + count > self.max_batch_rows):
+                groups.append([])
+                rows = 0
+            groups[-1].append(job)
+            rows += count
+        return groups
+
+    def _job(self, entry: _Admitted) -> _Job:
+        request, session = entry.request, entry.session
+        if session.cache is None:
+            session.cache = DynamicCache(config=self.model.config)
+        start = len(session.history)
+        chain_length = len(request.tokens) - len(request.branch_positions)
+        positions = list(range(start, start + chain_length)) + list(request.branch_positions)
+        return _Job(entry, start, positions, chain_length,
+                    self._pieces(len(request.tokens), request.num_logits))
+
+    def _run_alone(self, job: _Job, piece: tuple[int, int]) -> None:
+        request = job.entry.request
+        begin, end = piece
+        piece_logits = job.logit_rows(piece)
+        started = time.perf_counter()
+        out, states = self._model_forward(
+            job.entry.session.cache, request.tokens[begin:end], job.positions[begin:end],
+            max(1, piece_logits), bool(request.hidden_rows), job.target_hidden(piece),
+            self._tree_mask(job.positions, job.start, begin, end, job.chain_length))
+        job.forward_s += time.perf_counter() - started
+        if piece_logits > 0:
+            job.logits.append(out[-piece_logits:])
+        if states is not None:
+            job.states.append(states)
+
+    def _run_packed(self, jobs: list[_Job]) -> None:
+        tokens: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        hidden: list[torch.Tensor] = []
+        masks: list[torch.Tensor | None] = []
+        for job in jobs:
+            begin, end = piece = job.pieces[-1]
+            keep.extend(range(len(tokens) + job.rows(piece) - job.logit_rows(piece),
+                              len(tokens) + job.rows(piece)))
+            tokens.extend(job.entry.request.tokens[begin:end])
+            positions.extend(job.positions[begin:end])
+            piece_hidden = job.target_hidden(piece)
+            if piece_hidden is not None:
+                hidden.append(piece_hidden)
+            masks.append(self._tree_mask(job.positions, job.start, begin, end,
+                                         job.chain_length))
+        packed = PackedBatch([job.entry.session.cache for job in jobs],
+                             [job.rows(job.pieces[-1]) for job in jobs], masks)
+        capture = any(job.entry.request.hidden_rows for job in jobs)
+        started = time.perf_counter()
+        out, states = self._model_forward(
+            packed, tokens, positions, torch.tensor(keep, device=self.device), capture,
+            torch.cat(hidden) if hidden else None,
+            # A 4-D mask is used as given, so transformers builds none: each sequence's
+            # attention builds its own from the packed layout.
+            torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=self.device),
+            {PACKING_KWARG: packed})
+        forward_s = time.perf_counter() - started
+        row = logit = 0
+        for job in jobs:
+            piece = job.pieces[-1]
+            rows, logit_rows = job.rows(piece), job.logit_rows(piece)
+            job.logits.append(out[logit:logit + logit_rows])
+            if states is not None and job.entry.request.hidden_rows:
+                job.states.append(states[row:row + rows])
+            job.forward_s += forward_s
+            row += rows
+            logit += logit_rows
+
+    def _finish(self, job: _Job) -> ExtendResult:
+        request, session = job.entry.request, job.entry.session
+        if request.branch_positions and session.cache is not None:
+            session.cache.crop(-len(request.branch_positions))
+        session.history.extend(request.tokens[:job.chain_length])
+        logits = self.vocab.restrict(torch.cat(job.logits)).float()
+        hidden = (torch.cat(job.states)[-request.hidden_rows:].float()
+                  if request.hidden_rows else None)
+        return ExtendResult(logits[-request.num_logits:], len(session.history), job.forward_s,
+                            len(request.tokens), hidden)
+
+    def _checked_session(self, session_id: str, committed_position: int,
+                         fingerprint: int) -> Session | None:
+        """The session a request names, if its cache holds the named prefix (position 0:
+        any or none, to be restarted). Changes nothing."""
+        session = self._sessions.get(session_id)
+        if committed_position == 0:
             return session
         if session is None:
             raise CacheSyncError(
@@ -245,34 +535,6 @@ class ModelRunner:
             pieces.append((begin, min(begin + MAX_QUERY_ROWS, num_tokens)))
         return pieces
 
-    @torch.inference_mode()
-    def _forward(self, session: Session, tokens: list[int], num_logits: int, hidden_rows: int,
-                 target_hidden: torch.Tensor | None, branch_positions: Sequence[int] = ()
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if session.cache is None:
-            session.cache = DynamicCache(config=self.model.config)
-        start = len(session.history)
-        chain_length = len(tokens) - len(branch_positions)
-        positions = list(range(start, start + chain_length)) + list(branch_positions)
-        first_logit_row = len(tokens) - num_logits
-        logits: list[torch.Tensor] = []
-        states: list[torch.Tensor] = []
-        for begin, end in self._pieces(len(tokens), num_logits):
-            piece_logits = end - max(begin, first_logit_row)
-            piece_hidden = target_hidden[begin:end] if target_hidden is not None else None
-            piece_out, piece_states = self._forward_piece(
-                session.cache, tokens[begin:end], positions[begin:end], max(1, piece_logits),
-                bool(hidden_rows), piece_hidden, self._tree_mask(positions, start, begin, end,
-                                                                 chain_length))
-            if piece_logits > 0:
-                logits.append(piece_out[-piece_logits:])
-            if piece_states is not None:
-                states.append(piece_states)
-        if branch_positions:
-            session.cache.crop(-len(branch_positions))
-        hidden = torch.cat(states)[-hidden_rows:].float() if hidden_rows else None
-        return self.vocab.restrict(torch.cat(logits)).float(), hidden
-
     def _tree_mask(self, positions: list[int], start: int, begin: int, end: int,
                    chain_length: int) -> torch.Tensor | None:
         """The attention mask of tokens[begin:end] when branch rows are among them (None:
@@ -290,16 +552,23 @@ class ModelRunner:
                 mask[0, 0, row, start + index] = True
         return mask
 
-    def _forward_piece(self, cache: DynamicCache, tokens: list[int], token_positions: list[int],
-                       num_logits: int, capture_states: bool, target_hidden: torch.Tensor | None,
-                       attention_mask: torch.Tensor | None = None
+    def _model_forward(self, cache: Any, tokens: list[int], token_positions: list[int],
+                       logits_to_keep: int | torch.Tensor, capture_states: bool,
+                       target_hidden: torch.Tensor | None,
+                       attention_mask: torch.Tensor | None = None,
+                       extra: dict[str, object] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One model forward of tokens at token_positions over cache: the logits of the
+        rows logits_to_keep names (the last n, or these indices), and the final-norm
+        states of every row if capture_states."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         ids = self.vocab.to_model_inputs(ids)
         positions = torch.tensor([token_positions], dtype=torch.long, device=self.device)
-        # Only the last num_logits rows go through the LM head (a prefill needs one row,
-        # not one per prompt token: 49152 x 576 per row for SmolLM2).
-        kwargs: dict[str, object] = {"logits_to_keep": num_logits} if self._logits_to_keep else {}
+        # Only the kept rows go through the LM head (a prefill needs one row, not one per
+        # prompt token: 49152 x 576 per row for SmolLM2).
+        kwargs: dict[str, object] = dict(extra or {})
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
         if target_hidden is not None:
             kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
         if attention_mask is not None:
@@ -307,7 +576,7 @@ class ModelRunner:
         captured: list[torch.Tensor] = []
         hook = None
         if capture_states:
-            # The final norm sees every position, the LM head only the last num_logits.
+            # The final norm sees every position, the LM head only the kept rows.
             hook = final_norm(self.model).register_forward_hook(
                 lambda _module, _inputs, output: captured.append(output))
         try:
@@ -316,4 +585,8 @@ class ModelRunner:
         finally:
             if hook is not None:
                 hook.remove()
-        return out.logits[0], (captured[-1][0] if capture_states else None)
+        logits = out.logits[0]
+        if not self._logits_to_keep:
+            logits = logits[-logits_to_keep:] if isinstance(logits_to_keep, int) \
+                else logits[logits_to_keep]
+        return logits, (captured[-1][0] if capture_states else None)

@@ -113,6 +113,14 @@ _ALL = (
     Setting("session-ttl-s", 600.0,
             "release a session's KV cache after this long without calls", SERVICE, type=float),
     Setting("grace-s", 5.0, "graceful-stop period for in-flight calls", SERVICE, type=float),
+    Setting("max-batch-sessions", 32,
+            "draft/target: most sessions whose calls share one forward", SERVICE, type=int),
+    Setting("max-batch-rows", 256,
+            "draft/target: most token rows of one batched forward (the runner also splits "
+            "above its measured row-invariance cap)", SERVICE, type=int),
+    Setting("max-batch-prefills", 1,
+            "draft/target: long catch-ups (a new session's prompt) run on their own between "
+            "decode batches, at most this many after each", SERVICE, type=int),
     # speculation
     Setting("num-draft-tokens", 4,
             "draft length adaptive requests start from; requests that do not set speculation "
@@ -200,7 +208,8 @@ SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-
                     "num-draft-tokens", "draft-confidence",
                     "draft-alternatives", "prompt-lookup-tokens", "prompt-lookup-min",
                     "prompt-lookup-max", "max-new-tokens-limit", "draft-timeout-ms",
-                    "target-timeout-s", "grace-s")
+                    "target-timeout-s", "grace-s", "max-batch-sessions",
+                    "max-batch-rows", "max-batch-prefills")
 ADDRESS_SETTINGS = ("host", "port", "draft-endpoint", "target-endpoint")
 TELEMETRY_SETTINGS = tuple(s.name for s in _ALL if s.group == TELEMETRY)
 

@@ -1,26 +1,39 @@
 """The two model-side steps of a round, shared by the in-process path and the services.
 
-`draft_step` runs on the draft's runner: catch the cache up, then sample up to k tokens
-autoregressively and keep q, the exact distribution each was drawn from. With
-min_confidence it stops after a token the draft itself gave less than that probability:
-such a token is usually rejected, so drafting past it wastes draft and verify time. The
-stop depends on the draft's side only, so the rejection sampler stays exact.
-`verify_step` runs on the target's runner: one forward over the pending committed
-tokens and the k draft tokens, then the rejection sampler next to p, so p (k+1 rows of
-the full vocabulary) never crosses the network.
+A draft proposal (`DraftJob`) runs on the draft's runner: catch the cache up, then sample
+up to k tokens autoregressively and keep q, the exact distribution each was drawn from.
+With min_confidence it stops after a token the draft itself gave less than that
+probability: such a token is usually rejected, so drafting past it wastes draft and
+verify time. The stop depends on the draft's side only, so the rejection sampler stays
+exact. A verification (`VerifyJob`) runs on the target's runner: one forward over the
+pending committed tokens and the k draft tokens, then the rejection sampler next to p,
+so p (k+1 rows of the full vocabulary) never crosses the network.
+
+Both are jobs of forward steps: `run_jobs` runs any number of them together, one
+`ModelRunner.extend_batch` per step for every job still running (the services' batching
+scheduler does the same while jobs join and leave). A job's draws are keyed by its own
+(seed, position, purpose) and its rows' logits do not depend on the other rows of a
+forward (the runner's row-invariance contract), so a job computes the same result alone
+or batched. `draft_step`, `verify_step` and `verify_batch` are the plain entry points.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
+from typing import Protocol, TypeVar
 
 import torch
 
 from specdec.attention import MAX_QUERY_ROWS
-from specdec.errors import InvalidRequest
-from specdec.history import SyncPoint  # noqa: F401  (re-exported for the services)
+from specdec.errors import InvalidRequest, SpecdecError
+from specdec.history import (
+    SyncPoint,  # noqa: F401  (re-exported for the services)
+    extend_fingerprint,
+)
 from specdec.rejection import NO_ALTERNATIVES, Alternatives, Verdict, verify
-from specdec.runner import ModelRunner
+from specdec.runner import ExtendRequest, ExtendResult, ModelRunner
 from specdec.sampling import Purpose, SamplingParams, draw, process_logits
 from specdec.settings import default
 
@@ -67,61 +80,222 @@ def confidence(logits: torch.Tensor, probs: torch.Tensor, model_id: torch.Tensor
     return float(probs[0, model_id.reshape(-1)[0]])
 
 
-def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
-               params: SamplingParams, min_confidence: float = 0.0,
-               target_hidden: torch.Tensor | None = None,
-               num_alternatives: int = 0) -> DraftOutput:
-    """target_hidden: for a feature draft, the target's hidden state one position before
+class Job(Protocol):
+    """Work of one call as a series of forwards: `request` names the next forward's rows
+    for this job, `take` consumes their result and says whether the job is finished."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    def request(self) -> ExtendRequest: ...
+
+    def take(self, result: ExtendResult) -> bool: ...
+
+
+J = TypeVar("J", bound=Job)
+
+
+def fold_fingerprint(fingerprint: int, tokens: Sequence[int]) -> int:
+    return reduce(extend_fingerprint, (int(token) for token in tokens), fingerprint)
+
+
+class DraftJob:
+    """One proposal: a catch-up forward, then one forward per further draft token.
+
+    target_hidden: for a feature draft, the target's hidden state one position before
     each of sync.append's tokens; its own output state stands in for the tokens it drafts.
     num_alternatives (greedy only): also return up to that many of the draft's next-best
     tokens (within alternatives_budget), those most likely to be kept by the draft's own
     estimate: the product of its probabilities of the chain tokens before one and of the
     token itself (the target keeps an alternative only where it rejects the chain's token,
     and mostly where the draft was unsure of it)."""
-    if num_alternatives and not params.greedy:
-        raise InvalidRequest("alternatives are drafted under greedy decoding only")
-    reads_hidden = runner.needs_target_hidden
-    result = runner.extend(sync.session_id, sync.committed_position, sync.fingerprint,
-                           sync.append, num_logits=1, hidden_rows=int(reads_hidden),
-                           target_hidden=target_hidden)
-    forward_s = result.forward_s
-    tokens: list[int] = []
-    rows: list[torch.Tensor] = []
-    candidates: list[tuple[float, int, int]] = []  # (estimated chance, depth, token)
-    reach = 1.0  # the draft's estimate that the target keeps the chain up to this depth
-    logits = result.logits
-    for index in range(num_tokens):
+
+    def __init__(self, runner: ModelRunner, sync: SyncPoint, num_tokens: int,
+                 params: SamplingParams, min_confidence: float = 0.0,
+                 target_hidden: torch.Tensor | None = None,
+                 num_alternatives: int = 0) -> None:
+        if num_alternatives and not params.greedy:
+            raise InvalidRequest("alternatives are drafted under greedy decoding only")
+        self.runner = runner
+        self.sync = sync
+        self.num_tokens = num_tokens
+        self.params = params
+        self.min_confidence = min_confidence
+        self.num_alternatives = num_alternatives
+        self._hidden_rows = int(runner.needs_target_hidden)
+        self._next = ExtendRequest(sync.session_id, sync.committed_position, sync.fingerprint,
+                                   list(sync.append), num_logits=1,
+                                   hidden_rows=self._hidden_rows, target_hidden=target_hidden)
+        # The fingerprint of what the session holds once the pending forward has run.
+        self._fingerprint = fold_fingerprint(sync.fingerprint, sync.append)
+        self.tokens: list[int] = []
+        self._rows: list[torch.Tensor] = []
+        self._candidates: list[tuple[float, int, int]] = []  # (estimated chance, depth, token)
+        self._reach = 1.0  # the draft's estimate that the target keeps the chain up to here
+        self.forward_s = 0.0
+        self.kv_length = 0
+
+    @property
+    def session_id(self) -> str:
+        return self.sync.session_id
+
+    def request(self) -> ExtendRequest:
+        return self._next
+
+    def take(self, result: ExtendResult) -> bool:
+        self.forward_s += result.forward_s
+        self.kv_length = result.kv_length
+        if self.num_tokens == 0:  # a catch-up only
+            return True
+        logits, params, runner = result.logits, self.params, self.runner
+        index = len(self.tokens)
         probs = process_logits(logits, params)
-        model_id = draw(probs, params, sync.next_position + index, Purpose.DRAFT)
+        model_id = draw(probs, params, self.sync.next_position + index, Purpose.DRAFT)
         token = int(runner.vocab.model_to_target_ids(model_id)[0])
-        tokens.append(token)
-        rows.append(probs[0])
+        self.tokens.append(token)
+        self._rows.append(probs[0])
         own_q = None  # the draft's T=1 probability of its proposal, once computed
-        if num_alternatives:
+        if self.num_alternatives:
             draft_q = torch.softmax(logits[0].float(), dim=-1)
-            top_q, top_ids = draft_q.topk(min(num_alternatives + 1, draft_q.shape[0]))
+            top_q, top_ids = draft_q.topk(min(self.num_alternatives + 1, draft_q.shape[0]))
             for prob, target_id in zip(top_q.tolist(),
                                        runner.vocab.model_to_target_ids(top_ids).tolist(),
                                        strict=True):
                 if target_id != token:
-                    candidates.append((reach * prob, index + 1, target_id))
+                    self._candidates.append((self._reach * prob, index + 1, target_id))
             own_q = float(draft_q[model_id.reshape(-1)[0]])
-            reach *= own_q
-        if min_confidence > 0 and index + 1 < num_tokens:
+            self._reach *= own_q
+        if index + 1 >= self.num_tokens:  # the last proposal is never fed: verification decides
+            return True
+        if self.min_confidence > 0:
             # Alternatives are greedy only, where own_q is the gate's confidence too.
             gate = own_q if own_q is not None else confidence(logits, probs, model_id,
                                                               params.greedy)
-            if gate < min_confidence:
-                break
-        if index + 1 < num_tokens:  # the last proposal is never fed: verification decides
-            step = runner.append(sync.session_id, [token], hidden_rows=int(reads_hidden),
-                                 target_hidden=result.hidden)
-            logits, forward_s = step.logits, forward_s + step.forward_s
-            result = step
-    probs_out = None if params.greedy else torch.stack(rows)
-    return DraftOutput(tokens, probs_out, runner.kv_length(sync.session_id), forward_s,
-                       best_alternatives(candidates, min(num_alternatives,
-                                                         alternatives_budget(len(tokens)))))
+            if gate < self.min_confidence:
+                return True
+        self._next = ExtendRequest(self.session_id, result.kv_length, self._fingerprint,
+                                   [token], num_logits=1, hidden_rows=self._hidden_rows,
+                                   target_hidden=result.hidden)
+        self._fingerprint = extend_fingerprint(self._fingerprint, token)
+        return False
+
+    def output(self) -> DraftOutput:
+        probs_out = None if self.params.greedy else torch.stack(self._rows)
+        count = min(self.num_alternatives, alternatives_budget(len(self.tokens)))
+        return DraftOutput(self.tokens, probs_out, self.kv_length, self.forward_s,
+                           best_alternatives(self._candidates, count))
+
+
+class VerifyJob:
+    """One verification: draft_probs is the dense [k, target vocab] q (ignored when
+    greedy); alternatives (greedy only) are verified as branches of the same forward and
+    leave the target's cache."""
+
+    def __init__(self, sync: SyncPoint, draft_tokens: list[int],
+                 draft_probs: torch.Tensor | None, params: SamplingParams,
+                 return_hidden: bool = False,
+                 alternatives: Alternatives = NO_ALTERNATIVES) -> None:
+        if alternatives and not params.greedy:
+            raise InvalidRequest("alternatives are verified under greedy decoding only")
+        if any(not 1 <= depth <= len(draft_tokens) for depth in alternatives.depths):
+            raise InvalidRequest(f"alternative depths {list(alternatives.depths)} must lie in "
+                                 f"[1, {len(draft_tokens)}] (the draft tokens they replace)")
+        self.sync = sync
+        self.draft_tokens = draft_tokens
+        self.draft_probs = draft_probs
+        self.params = params
+        self.alternatives = alternatives
+        self._chain_length = len(sync.append) + len(draft_tokens)
+        block = sync.append + draft_tokens + list(alternatives.tokens)
+        self._request = ExtendRequest(
+            sync.session_id, sync.committed_position, sync.fingerprint, block,
+            num_logits=len(draft_tokens) + 1 + len(alternatives),
+            hidden_rows=len(block) if return_hidden else 0,
+            branch_positions=tuple(sync.next_position + depth - 1
+                                   for depth in alternatives.depths))
+        self._output: VerifyOutput | None = None
+
+    @property
+    def session_id(self) -> str:
+        return self.sync.session_id
+
+    def request(self) -> ExtendRequest:
+        return self._request
+
+    def take(self, result: ExtendResult) -> bool:
+        params, sync = self.params, self.sync
+        # Greedy needs only argmax, which the raw logits give without a softmax.
+        target_probs = result.logits if params.greedy else process_logits(result.logits, params)
+        tokens = torch.tensor(self.draft_tokens, dtype=torch.long, device=target_probs.device)
+        draft_probs = self.draft_probs
+        if draft_probs is not None:
+            draft_probs = draft_probs.to(target_probs.device)
+        verdict = verify(tokens, draft_probs, target_probs, params, sync.next_position,
+                         self.alternatives)
+        hidden = None
+        if result.hidden is not None:
+            hidden = result.hidden[: len(sync.append) + verdict.accepted_len]
+            if verdict.alternative >= 0:  # the kept alternative's state follows the chain's
+                row = self._chain_length + verdict.alternative
+                hidden = torch.cat([hidden, result.hidden[row:row + 1]])
+        self._output = VerifyOutput(verdict, result.kv_length, result.forward_s,
+                                    result.tokens_processed, hidden)
+        return True
+
+    def output(self) -> VerifyOutput:
+        assert self._output is not None, "output() before the job's forward ran"
+        return self._output
+
+
+def step_jobs(runner: ModelRunner, jobs: Sequence[J]) -> list[Exception | None | bool]:
+    """One forward for every job: per job True (finished), False (wants another step) or
+    the error that ends it (a bad cache sync fails its own job only)."""
+    results = runner.extend_batch([job.request() for job in jobs])
+    outcomes: list[Exception | None | bool] = []
+    for job, result in zip(jobs, results, strict=True):
+        if isinstance(result, SpecdecError):
+            outcomes.append(result)
+            continue
+        try:
+            outcomes.append(job.take(result))
+        except Exception as error:  # noqa: BLE001 - one job's failure is its caller's
+            outcomes.append(error)
+    return outcomes
+
+
+def run_jobs(runner: ModelRunner, jobs: Sequence[J]) -> list[Exception | None]:
+    """Run the jobs to their end together, one forward per step for those still running.
+    Per job: None when it finished, or the error that ended it."""
+    errors: list[Exception | None] = [None] * len(jobs)
+    running = list(range(len(jobs)))
+    while running:
+        outcomes = step_jobs(runner, [jobs[index] for index in running])
+        still = []
+        for index, outcome in zip(running, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                errors[index] = outcome
+            elif outcome is False:
+                still.append(index)
+        running = still
+    return errors
+
+
+def draft_batch(runner: ModelRunner, jobs: Sequence[DraftJob]) -> list[DraftOutput | Exception]:
+    errors = run_jobs(runner, jobs)
+    return [job.output() if error is None else error for job, error in zip(jobs, errors,
+                                                                            strict=True)]
+
+
+def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
+               params: SamplingParams, min_confidence: float = 0.0,
+               target_hidden: torch.Tensor | None = None,
+               num_alternatives: int = 0) -> DraftOutput:
+    """One proposal alone (see DraftJob)."""
+    out = draft_batch(runner, [DraftJob(runner, sync, num_tokens, params, min_confidence,
+                                        target_hidden, num_alternatives)])[0]
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 def best_alternatives(candidates: list[tuple[float, int, int]], count: int) -> Alternatives:
@@ -131,36 +305,21 @@ def best_alternatives(candidates: list[tuple[float, int, int]], count: int) -> A
                         tuple(depth for _, depth, _ in chosen))
 
 
+def verify_batch(runner: ModelRunner, items: Sequence[VerifyJob]
+                 ) -> list[VerifyOutput | Exception]:
+    """Every verification in one forward, the rejection sampler per session."""
+    errors = run_jobs(runner, items)
+    return [job.output() if error is None else error for job, error in zip(items, errors,
+                                                                            strict=True)]
+
+
 def verify_step(runner: ModelRunner, sync: SyncPoint, draft_tokens: list[int],
                 draft_probs: torch.Tensor | None, params: SamplingParams,
                 return_hidden: bool = False,
                 alternatives: Alternatives = NO_ALTERNATIVES) -> VerifyOutput:
-    """draft_probs: dense [k, target vocab] q (ignored when greedy). alternatives: greedy
-    only, verified as branches of the same forward; they leave the target's cache."""
-    if alternatives and not params.greedy:
-        raise InvalidRequest("alternatives are verified under greedy decoding only")
-    if any(not 1 <= depth <= len(draft_tokens) for depth in alternatives.depths):
-        raise InvalidRequest(f"alternative depths {list(alternatives.depths)} must lie in "
-                             f"[1, {len(draft_tokens)}] (the draft tokens they replace)")
-    chain = sync.append + draft_tokens
-    block = chain + list(alternatives.tokens)
-    result = runner.extend(sync.session_id, sync.committed_position, sync.fingerprint, block,
-                           num_logits=len(draft_tokens) + 1 + len(alternatives),
-                           hidden_rows=len(block) if return_hidden else 0,
-                           branch_positions=[sync.next_position + depth - 1
-                                             for depth in alternatives.depths])
-    # Greedy needs only argmax, which the raw logits give without a softmax.
-    target_probs = result.logits if params.greedy else process_logits(result.logits, params)
-    tokens = torch.tensor(draft_tokens, dtype=torch.long, device=target_probs.device)
-    if draft_probs is not None:
-        draft_probs = draft_probs.to(target_probs.device)
-    verdict = verify(tokens, draft_probs, target_probs, params, sync.next_position,
-                     alternatives)
-    hidden = None
-    if result.hidden is not None:
-        hidden = result.hidden[: len(sync.append) + verdict.accepted_len]
-        if verdict.alternative >= 0:  # the kept alternative's state follows the chain's
-            row = len(chain) + verdict.alternative
-            hidden = torch.cat([hidden, result.hidden[row:row + 1]])
-    return VerifyOutput(verdict, result.kv_length, result.forward_s, result.tokens_processed,
-                        hidden)
+    """One verification alone (see VerifyJob)."""
+    out = verify_batch(runner, [VerifyJob(sync, draft_tokens, draft_probs, params,
+                                          return_hidden, alternatives)])[0]
+    if isinstance(out, Exception):
+        raise out
+    return out

@@ -11,7 +11,7 @@ import grpc
 
 from specdec.backends import select_backend
 from specdec.grpc_server import ServerHandle
-from specdec.model_service import serving_runner, start_model_server
+from specdec.model_service import BatchLimits, serving_runner, start_model_server
 from specdec.telemetry.service import Telemetry
 from target_service.servicer import TargetServicer
 
@@ -30,5 +30,5 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
     runner = serving_runner(loaded, kv_budget_mb=args.kv_budget_mb)
     servicer = TargetServicer(runner, session_ttl_s=args.session_ttl_s,
                               max_draft_tokens=args.max_draft_tokens, telemetry=telemetry,
-                              executor=executor)
+                              executor=executor, limits=BatchLimits.from_args(args))
     return start_model_server(servicer, args, interceptors, telemetry)

@@ -1,4 +1,5 @@
-"""Target.Verify / Target.Release: parse, validate, run specdec.steps.verify_step."""
+"""Target.Verify / Target.Release: parse, validate, hand a VerifyJob to the batching
+scheduler (specdec.model_service), encode."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
 from specdec.grpc_server import Service
 from specdec.grpc_status import rpc_errors
-from specdec.model_service import SessionTable
+from specdec.model_service import BatchLimits, SessionTable
 from specdec.proto.specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.settings import default
-from specdec.steps import VerifyOutput, verify_step
+from specdec.steps import VerifyJob, VerifyOutput
 from specdec.telemetry import names
 from specdec.telemetry.service import Telemetry
 
@@ -24,15 +25,15 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
-    def __init__(self, runner: ModelRunner, *,
-                 session_ttl_s: float = default("session-ttl-s"),
+    def __init__(self, runner: ModelRunner, *, session_ttl_s: float = default("session-ttl-s"),
                  max_draft_tokens: int = default("max-draft-tokens"),
                  telemetry: Telemetry | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, limits: BatchLimits | None = None) -> None:
         self.runner = runner
         self.telemetry = telemetry or Telemetry("target")
         self.telemetry.watch_runner(runner)
-        self.sessions = SessionTable(runner, session_ttl_s, executor=executor)
+        self.sessions = SessionTable(runner, session_ttl_s, executor=executor, limits=limits)
+        self.telemetry.watch_scheduler(self.sessions.scheduler)
         self.max_draft_tokens = max_draft_tokens
 
     def service(self) -> Service:
@@ -58,27 +59,31 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidRequest(f"alternatives holds {len(alternatives)} tokens, more than "
                                  f"{MAX_QUERY_ROWS}")
 
-        def work() -> tuple[VerifyOutput, common_pb2.HiddenStates | None]:
-            # Tensor work stays on the model's thread (see SessionTable.call).
+        def make_job() -> VerifyJob:
+            # Tensor work stays on the model's thread (see BatchScheduler.submit).
             probs = None
             if draft_tokens and not params.greedy:
                 probs = wire.decode_probs(request.draft_probs, len(draft_tokens), vocab)
                 drawn = probs[torch.arange(len(draft_tokens)), torch.tensor(draft_tokens)]
                 if bool((drawn <= 0).any()):  # a token cannot come from a row excluding it
                     raise InvalidRequest("draft_probs gives probability 0 to a draft token")
-            out = verify_step(self.runner, sync, draft_tokens, probs, params,
-                              request.return_hidden_states, alternatives)
+            return VerifyJob(sync, draft_tokens, probs, params, request.return_hidden_states,
+                             alternatives)
+
+        def finish(job: VerifyJob) -> tuple[VerifyOutput, common_pb2.HiddenStates | None]:
+            out = job.output()
             return out, None if out.hidden is None else wire.encode_hidden(out.hidden)
 
-        out, hidden = self.sessions.call(sync.session_id, work)
+        (out, hidden), batch = self.sessions.call(sync.session_id, make_job, finish, context)
         self.telemetry.record_step(
             forward_s=out.forward_s, tokens_processed=out.tokens_processed,
             kv_length=out.kv_length, committed_position=sync.committed_position,
-            catch_up_tokens=len(sync.append),
+            catch_up_tokens=len(sync.append), batch=batch,
             attributes={names.ACCEPTED: out.verdict.accepted_len})
         response = target_pb2.VerifyResponse(
             accepted_len=out.verdict.accepted_len, next_token=out.verdict.next_token,
-            kv_length=out.kv_length, forward_seconds=out.forward_s)
+            kv_length=out.kv_length, forward_seconds=out.forward_s,
+            batch=batch.to_proto())
         if out.verdict.alternative >= 0:
             response.kept_alternative = out.verdict.alternative
         if hidden is not None:

@@ -15,6 +15,7 @@ from specdec import attention
 from specdec.attention import (
     MAX_QUERY_ROWS,
     NAME,
+    SDPA_NAME,
     apply_attention_kernel,
     grouped_sdpa_forward,
     resolve_attention,
@@ -130,7 +131,7 @@ def test_apply_switches_sdpa_models_and_leaves_eager_ones() -> None:
     assert apply_attention_kernel(model, "auto") == "grouped"
     assert model.config._attn_implementation == NAME
     assert apply_attention_kernel(model, "sdpa") == "sdpa"
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == SDPA_NAME  # transformers' SDPA, packable
     eager = tiny_llama(vocab_size=32)
     eager.set_attn_implementation("eager")
     assert apply_attention_kernel(eager, "grouped") == "eager"

@@ -3,7 +3,7 @@
 The reduced-precision serving path (bfloat16 on CPU: oneDNN linears, "rowwise" attention)
 rests on it: a verification of k + 1 rows must give each row the bits a one-row decode of
 that token gives, or greedy speculative output leaves the target's own wherever two
-logits are closer than the rounding (on half the bench prompts in bfloat16 before).
+logits are closer than the rounding.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def test_onednn_linear_equals_f_linear(dtype: torch.dtype, rows: int, bias: bool
 @pytest.mark.parametrize("in_features", [576, 1536])  # SmolLM2's two input widths
 def test_onednn_linear_row_result_is_independent_of_row_count(dtype: torch.dtype,
                                                               in_features: int) -> None:
-    # Every row count a decode-sized forward can have (the runner cuts longer extends into
-    # pieces of at most MAX_QUERY_ROWS). Not beyond: on an Intel host with AMX, oneDNN
-    # sums 33 or more rows in another order (2-300 rows agree on an AMD host), which only
-    # prefills see, alike in every system.
+    # Every row count a decode-sized forward of one session can have (the runner cuts
+    # longer extends into pieces of at most MAX_QUERY_ROWS). Beyond that the cap depends
+    # on the CPU (an Intel host with AMX sums 33 or more rows in another order): the
+    # runner measures it at load (specdec.kernels.row_invariant_rows) and splits batches.
     layer = _onednn_layer(in_features, 192, dtype)
     x = torch.randn(MAX_QUERY_ROWS, in_features).to(dtype)
     with torch.inference_mode():

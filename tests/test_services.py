@@ -433,7 +433,7 @@ def test_concurrent_requests_equal_sequential_ones(services) -> None:
 def test_wire_tensor_work_runs_on_the_compute_thread(services, monkeypatch) -> None:
     """Probabilities are decoded and encoded on each service's compute thread: a torch op
     on a gRPC worker thread starts another OpenMP team, which shortens the spin of the
-    forward's team (specdec.model_service.SessionTable.call)."""
+    forward's team (specdec.model_service.BatchScheduler.submit)."""
     from specdec import wire
 
     # (function, calling module) -> threads; the coordinator shares this test process.

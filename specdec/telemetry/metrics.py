@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # the loop pulls in torch; `specdec traces` should not need i
 
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _CALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
                  0.3, 0.5, 1, 2.5)
 
@@ -196,6 +198,21 @@ class ModelServiceMetrics:
                                      registry=registry)
         self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "Bytes held by KV caches",
                                     registry=registry)
+        # Continuous batching (specdec.model_service.BatchScheduler).
+        self.batch_sessions = Histogram("specdec_batch_sessions",
+                                        "Sessions whose rows shared one forward",
+                                        buckets=_BATCH_BUCKETS, registry=registry)
+        self.batch_rows = Histogram("specdec_batch_rows", "Token rows of one forward",
+                                    buckets=_ROW_BUCKETS, registry=registry)
+        self.queue_wait = Histogram("specdec_queue_wait_seconds",
+                                    f"Time a {role} call waited for its first forward",
+                                    buckets=_CALL_BUCKETS, registry=registry)
+        self.calls_waiting = Gauge("specdec_num_calls_waiting",
+                                   f"{role} calls waiting for their first forward",
+                                   registry=registry)
+        self.calls_running = Gauge("specdec_num_calls_running",
+                                   f"{role} calls between forwards of a multi-step job",
+                                   registry=registry)
 
     def watch_runner(self, runner: Any) -> None:
         """Read the gauges from a ModelRunner at scrape time (no bookkeeping per call)."""
@@ -205,6 +222,22 @@ class ModelServiceMetrics:
         kv_bytes: Callable[[], float] = lambda: float(runner.total_kv_bytes())  # noqa: E731
         self.active_sessions.set_function(sessions)
         self.kv_cache_bytes.set_function(kv_bytes)
+
+    def watch_scheduler(self, scheduler: Any) -> None:
+        """The scheduler reports each forward and queue wait; the gauges read its queues
+        at scrape time."""
+        scheduler.observer = self
+        waiting: Callable[[], float] = lambda: float(scheduler.queued)  # noqa: E731
+        running: Callable[[], float] = lambda: float(scheduler.running)  # noqa: E731
+        self.calls_waiting.set_function(waiting)
+        self.calls_running.set_function(running)
+
+    def observe_forward(self, sessions: int, rows: int) -> None:
+        self.batch_sessions.observe(sessions)
+        self.batch_rows.observe(rows)
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
 
     def observe_step(self, forward_s: float, tokens_processed: int) -> None:
         self.forward.observe(forward_s)

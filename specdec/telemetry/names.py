@@ -68,3 +68,8 @@ TOKENS_PROCESSED = "specdec.tokens_processed"
 KV_LENGTH = "specdec.kv_length"
 COMMITTED_POSITION = "specdec.committed_position"
 CATCH_UP_TOKENS = "specdec.catch_up_tokens"  # committed tokens the service lacked
+# The batch a Propose/Verify ran in (specdec.model_service.BatchInfo).
+BATCH_SESSIONS = "specdec.batch.sessions"
+BATCH_ROWS = "specdec.batch.rows"
+QUEUE_WAIT_MS = "specdec.batch.queue_wait_ms"
+BATCH_QUEUED = "specdec.batch.queued"

@@ -20,7 +20,7 @@ from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 
 from specdec.loop import GenerateConfig
-from specdec.telemetry import propagation, tracing
+from specdec.telemetry import names, propagation, tracing
 from specdec.telemetry.metrics import (
     CoordinatorMetrics,
     ModelServiceMetrics,
@@ -113,10 +113,20 @@ class Telemetry:
         if self.model_metrics is not None:
             self.model_metrics.watch_runner(runner)
 
+    def watch_scheduler(self, scheduler: Any) -> None:
+        """Batch sizes and queue waits from a BatchScheduler; queued calls at scrape time."""
+        if self.model_metrics is not None:
+            self.model_metrics.watch_scheduler(scheduler)
+
     def record_step(self, *, forward_s: float, tokens_processed: int, kv_length: int,
-                    committed_position: int, catch_up_tokens: int,
+                    committed_position: int, catch_up_tokens: int, batch: Any = None,
                     attributes: Mapping[str, AttributeValue] | None = None) -> None:
-        """Inside a Propose/Verify handler: annotate its server span, feed the metrics."""
+        """Inside a Propose/Verify handler: annotate its server span, feed the metrics.
+        batch: the call's specdec.model_service.BatchInfo (the forward it ran in)."""
+        if batch is not None:
+            attributes = {names.BATCH_SESSIONS: batch.sessions, names.BATCH_ROWS: batch.rows,
+                          names.QUEUE_WAIT_MS: round(batch.queue_wait_s * 1000.0, 3),
+                          names.BATCH_QUEUED: batch.queued, **(attributes or {})}
         record_step(self.model_metrics, forward_s=forward_s, tokens_processed=tokens_processed,
                     kv_length=kv_length, committed_position=committed_position,
                     catch_up_tokens=catch_up_tokens, attributes=attributes)
