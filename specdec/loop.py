@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 from specdec.history import HiddenStateLog, TokenHistory
 from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verifier
-from specdec.policy import CostedPolicy, DraftBackoff, FixedLength, LengthPolicy
+from specdec.policy import (
+    AlternativesPolicy,
+    CostedPolicy,
+    DraftBackoff,
+    FixedLength,
+    LengthPolicy,
+)
 from specdec.prompt_lookup import LookupEvidence, PromptLookup
 from specdec.rejection import NO_ALTERNATIVES
 from specdec.sampling import SamplingParams
@@ -143,6 +149,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             asked = min(policy.next_length(), remaining - 1)
             if drafter is None or not _draft_inputs_ready(committed):
                 asked = 0
+            round_alternatives = (policy.next_alternatives(num_alternatives)
+                                  if isinstance(policy, AlternativesPolicy) else num_alternatives)
             proposal = found = None
             if config.prompt_lookup is not None and remaining > 1:
                 found = config.prompt_lookup.propose(committed, remaining - 1, params)
@@ -154,7 +162,7 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             elif asked > 0 and backoff.ready():
                 try:
                     proposal = drafter.propose(session_id, committed, asked, params,  # type: ignore[union-attr]
-                                               config.draft_confidence, num_alternatives)
+                                               config.draft_confidence, round_alternatives)
                     backoff.succeeded()
                 except DraftUnavailable:
                     backoff.failed()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from coordinator.admission import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_QUEUED_REQUESTS
 from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE
 from specdec.config import add_model_settings, add_setting
 from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
@@ -48,6 +49,11 @@ def add_service_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--target-timeout-s", 30.0,
                 "how long one Verify may wait for an unavailable target, retries included",
                 type=float)
+    add_setting(parser, "--max-concurrent-requests", DEFAULT_MAX_CONCURRENT_REQUESTS,
+                "coordinator: generations running at once; more wait in a queue", type=int)
+    add_setting(parser, "--max-queued-requests", DEFAULT_MAX_QUEUED_REQUESTS,
+                "coordinator: requests waiting for a running slot; beyond this a request "
+                "is refused at once with RESOURCE_EXHAUSTED", type=int)
     add_setting(parser, "--grace-s", 5.0, "graceful-stop period for in-flight calls",
                 type=float)
 
