@@ -25,7 +25,8 @@ the choice maximises what the deployment gains from the round rather than the se
 alone: the session's own rate E(k) / W(k) minus the rate the other B - 1 sessions lose
 to its k + 1 rows, (B - 1) * r * c * (k + 1) / W, where c is the seconds a row adds to
 a forward (a line fitted to observed forward times against rows) and r, W an other
-session's rate and round time (assumed like this session's last round). The rule is
+session's rate and round time (one drafting what its observed rows say, accepting like
+this session). The rule is
 smooth in B: long drafts, then alternatives, then drafting itself (k = 0: no Propose)
 fade out as load grows and come back as it falls; there is no batch-size threshold. An
 all-zero BatchInfo (a service that does not batch) counts as running alone.
@@ -127,6 +128,10 @@ class SharedLoad:
     @property
     def alone(self) -> bool:
         return self.sessions <= 1.0 and self.other_rows <= 0.0
+
+    @property
+    def rows_per_other(self) -> float:
+        return self.other_rows / (self.sessions - 1.0) if self.sessions > 1.0 else 0.0
 
 
 RUNNING_ALONE = SharedLoad()
@@ -293,7 +298,7 @@ class AdaptiveLength:
         self.running = running
         self._running_at_call = 0
         self.load = RUNNING_ALONE
-        self._reference = self.initial  # the k the other sessions are assumed to use
+        self._reference = self.initial  # the k other sessions draft, from their rows
         self.alternatives_offered = 0.0  # discounted, over drafting rounds
         self.alternatives_kept = 0.0
         # Rounds whose k load made shorter than the session alone would have drafted.
@@ -455,7 +460,6 @@ class AdaptiveLength:
         self.rounds += 1
         if self._choice is not None:
             self.chosen.append(self._choice)
-            self._reference = self._choice
             self._choice = None
         if proposal is not None and proposal.alternatives:
             self.alternatives_offered = (self.alternatives_offered * self.decay
@@ -466,6 +470,9 @@ class AdaptiveLength:
         batch = verification.batch
         running_now = self.running() if self.running is not None else 0
         self.load = expected_load(batch, own_rows, self._running_at_call, running_now)
+        if not self.load.alone:  # what the others draft: their rows less the one verified
+            self._reference = max(0, min(self.max_length,
+                                         round(self.load.rows_per_other) - 1))
         if asked > 0:  # evidence ages per drafting round: k = 0 rounds teach nothing
             self.successes = self.successes * self.decay + accepted_len
             self.failures = self.failures * self.decay + (1.0 if accepted_len < asked else 0.0)

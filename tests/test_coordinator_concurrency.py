@@ -66,9 +66,10 @@ class Coordinator:
 def stack(models) -> Iterator[Callable[..., tuple[Services, Coordinator]]]:
     made: list[tuple[Services, Coordinator]] = []
 
-    def make(settings: CoordinatorSettings = CoordinatorSettings(),
+    def make(settings: CoordinatorSettings | None = None,
              **kwargs: object) -> tuple[Services, Coordinator]:
         target, draft = models
+        settings = settings or CoordinatorSettings()
         services = Services(draft, target, **kwargs)  # type: ignore[arg-type]
         made.append((services, Coordinator(services, settings)))
         return made[-1]
