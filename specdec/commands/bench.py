@@ -21,11 +21,15 @@ from specdec.config import (
 from specdec.draft_compile import AUTO as COMPILE_AUTO
 from specdec.draft_compile import OFF as COMPILE_OFF
 
+DEFAULT_LOAD_MODES = ("target-only", "k=4", "adaptive")  # specdec.bench.load's, torch-free
+
 if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI parses
     from specdec.bench.harness import BenchResult
 
 # The draft runs eager in a quick run: compiling it took 51 s of a 173 s quick run with
 # an empty inductor cache (2 cores), for 1-2 % of a round (docs/benchmarks.md 4m, 4n).
+# `--concurrency --quick`: 8 prompts, 24 tokens (under 3 minutes on 2 cores).
+LOAD_QUICK = {"prompts_per_category": 2, "max_new_tokens": 24, "draft_compile": COMPILE_OFF}
 QUICK = {"modes": "greedy", "lengths": "2,4,adaptive,adaptive+a0", "prompts_per_category": 1,
          "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24,
          "draft_compile": COMPILE_OFF}
@@ -94,6 +98,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="measure nothing: write the summary, markdown and plots of an "
                         "earlier run's bench.json (or its directory) again with this "
                         "version's report code, into --out")
+    parser.add_argument("--concurrency", default=None, metavar="LEVELS",
+                        help="load test instead: closed-loop clients over GenerateStream at "
+                        "each of these concurrency levels, e.g. 1,2,4,8,16; writes load.json, "
+                        "load.md and load.png")
+    parser.add_argument("--load-modes", default=",".join(DEFAULT_LOAD_MODES),
+                        help="with --concurrency: the modes run at each level (target-only, "
+                        "k=N, adaptive)")
+    parser.add_argument("--endpoint", default="",
+                        help="with --concurrency: a running coordinator (host:port) instead "
+                        "of a stack started for the run")
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -214,9 +228,11 @@ def run(args: argparse.Namespace) -> int:
         paths = write_outputs(result, Path(args.out), command)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
-    settings = settings_from_args(args)
     argv = sys.argv[1:]
     command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
+    if args.concurrency:
+        return run_load_command(args, command)
+    settings = settings_from_args(args)
     if args.costs_only:
         path = write_costs(run_costs(settings), Path(args.out), command,  # type: ignore[arg-type]
                            args.torch_threads)
@@ -225,5 +241,56 @@ def run(args: argparse.Namespace) -> int:
     result = run_bench(settings)  # type: ignore[arg-type]
     paths = write_outputs(result, Path(args.out), command)
     print((Path(args.out) / "bench.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def run_load_command(args: argparse.Namespace, command: str) -> int:
+    """`specdec bench --concurrency ...`: the load test (specdec.bench.load)."""
+    import grpc
+
+    from specdec.bench.harness import machine_info
+    from specdec.bench.load import LoadPrompt, LoadSettings, run_load, write_outputs
+    from specdec.bench.prompts import chat_encoder, load_prompts, select
+    from specdec.models import load_tokenizer
+    from specdec.proto.specdec.v1 import coordinator_pb2_grpc
+
+    quick = LOAD_QUICK if args.quick else {}
+    levels = tuple(int(level) for level in _csv(args.concurrency))
+    per_category: int | None = (args.prompts_per_category
+                                if args.prompts_per_category is not None
+                                else quick.get("prompts_per_category"))  # type: ignore[assignment]
+    max_new_tokens = args.max_new_tokens or int(quick.get("max_new_tokens", 64))  # type: ignore[call-overload]
+    settings = LoadSettings(levels, _csv(args.load_modes), max_new_tokens=max_new_tokens,
+                            progress=not args.no_progress)
+    stack = None
+    endpoint = args.endpoint
+    if not endpoint:
+        from specdec.bench.harness import BenchSettings, ProcessStack
+
+        compile_setting = args.draft_compile or str(quick.get("draft_compile", COMPILE_AUTO))
+        stack = ProcessStack(BenchSettings(
+            target_model=args.target_model, draft_model=args.draft_model, dtype=args.dtype,
+            grpc_torch_threads=args.grpc_torch_threads, linear_kernel=args.linear_kernel,
+            attention_kernel=args.attention_kernel, draft_dtype=args.draft_dtype,
+            draft_linear_kernel=args.draft_linear_kernel, draft_compile=compile_setting))
+        print(f"starting the services (logs in {stack.log_dir})", file=sys.stderr)
+        endpoint = stack.stack.endpoint("coordinator")
+    try:
+        if stack is not None:
+            stack.wait()
+        encode = chat_encoder(load_tokenizer(args.target_model))
+        prompts = [LoadPrompt(p.id, encode(p.text))
+                   for p in select(load_prompts(), per_category)]
+        with grpc.insecure_channel(endpoint) as channel:
+            report = run_load(coordinator_pb2_grpc.CoordinatorStub(channel), settings, prompts,
+                              meta={"machine": machine_info(), "endpoint": endpoint,
+                                    "target_model": args.target_model,
+                                    "draft_model": args.draft_model, "dtype": args.dtype})
+    finally:
+        if stack is not None:
+            stack.close()
+    paths = write_outputs(report, Path(args.out), command)
+    print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
