@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -26,7 +27,7 @@ from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
 from specdec.grpc_server import ServerHandle
 from specdec.local import LocalVerifier
 from specdec.loop import GenerateConfig, generate
-from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.telemetry.service import Telemetry
 
@@ -252,3 +253,62 @@ def test_a_queued_request_runs_when_a_slot_frees_and_leaves_the_queue_when_cance
     assert outcome == ["abandoned", "admitted"]
     counts = admission.counts()
     assert (counts.running, counts.refused, counts.abandoned) == (0, 1, 1)
+
+
+class BatchReporter(grpc.ServerInterceptor):
+    """Fills BatchInfo on every Verify response, as a batching target does."""
+
+    def __init__(self, sessions: int, rows: int, queued: int) -> None:
+        self.batch = common_pb2.BatchInfo(sessions=sessions, rows=rows,
+                                          queue_wait_seconds=0.002, queued=queued)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or not details.method.endswith("/Verify"):
+            return handler
+        inner = handler.unary_unary
+
+        def reported(request: Any, context: Any) -> Any:
+            response = inner(request, context)
+            response.batch.CopyFrom(self.batch)
+            return response
+
+        return grpc.unary_unary_rpc_method_handler(
+            reported, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+def test_round_spans_record_the_verify_batch_and_the_load_it_chose_under(models,
+                                                                         tmp_path) -> None:
+    from specdec.telemetry import names as n
+    from specdec.telemetry.reader import load_spans
+    from tests.telemetry_helpers import file_telemetry
+
+    target, draft = models
+    services = Services(draft, target, target_interceptors=[BatchReporter(3, 12, 1)])
+    trace_file = tmp_path / "coordinator.jsonl"
+    telemetry = file_telemetry(trace_file)
+    servicer = CoordinatorServicer(
+        services.coordinator.target,
+        StaticEndpoints(services.target_endpoint, services.draft_endpoint),
+        channels=services.channels, telemetry=telemetry)
+    server = build_coordinator_server(servicer)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            coordinator_pb2_grpc.CoordinatorStub(channel).Generate(
+                request(prompt_of(0), max_new_tokens=16, k=3, adaptive=True), timeout=60)
+    finally:
+        server.stop(0)
+        services.close()
+        telemetry.shutdown()
+    rounds = [s for s in load_spans([trace_file]) if s.name == n.ROUND_SPAN]
+    assert rounds
+    for span in rounds:
+        attributes = span.attributes
+        assert attributes[n.VERIFY_BATCH_SESSIONS] == 3
+        assert attributes[n.VERIFY_BATCH_ROWS] == 12
+        assert attributes[n.VERIFY_BATCH_QUEUED] == 1
+        assert attributes[n.VERIFY_QUEUE_WAIT_MS] == pytest.approx(2.0)
+        assert attributes[n.LOAD_RUNNING] == 1 and n.LOAD_LIMITED in attributes
+    # From the second round on the policy sees the batch: 3 sessions and 1 queued.
+    assert [span.attributes[n.LOAD_SESSIONS] for span in rounds[1:]] == [4] * (len(rounds) - 1)

@@ -161,8 +161,13 @@ def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
                for i in range(concurrency)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException:  # Ctrl-C: no client starts another request
+        while not work.empty():
+            work.get_nowait()
+        raise
     return LevelRun(mode.name, concurrency, time.perf_counter() - started, records)
 
 
