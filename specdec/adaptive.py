@@ -26,10 +26,11 @@ alone: the session's own rate E(k) / W(k) minus the rate the other B - 1 session
 to its k + 1 rows, (B - 1) * r * c * (k + 1) / W, where c is the seconds a row adds to
 a forward (a line fitted to observed forward times against rows) and r, W an other
 session's rate and round time (one drafting what its observed rows say, accepting like
-this session). The rule is
-smooth in B: long drafts, then alternatives, then drafting itself (k = 0: no Propose)
-fade out as load grows and come back as it falls; there is no batch-size threshold. An
-all-zero BatchInfo (a service that does not batch) counts as running alone.
+this session). At the symmetric point this is the gradient of the deployment's total
+rate, B * E(k) / W(k). The rule is smooth in B: long drafts, then alternatives, then
+drafting itself (k = 0: no Propose) fade out as load grows and come back as it falls;
+there is no batch-size threshold. An all-zero BatchInfo (a service that does not batch)
+counts as running alone.
 
 HeuristicLength is transformers' "+2 after a fully accepted round, -1 otherwise".
 """

@@ -19,7 +19,8 @@ FORWARDED = ("target_model", "draft_model", "device", "dtype", "torch_threads",
              "max_draft_tokens", "num_draft_tokens", "draft_confidence", "draft_alternatives",
              "prompt_lookup_tokens", "prompt_lookup_min", "prompt_lookup_max",
              "max_new_tokens_limit",
-             "draft_timeout_ms", "target_timeout_s", "grace_s")
+             "draft_timeout_ms", "target_timeout_s", "grace_s",
+             "max_concurrent_requests", "max_queued_requests")
 
 
 def add_stack_settings(parser: argparse.ArgumentParser, default_ports: bool = True) -> None:
