@@ -361,8 +361,10 @@ def write_plot(report: dict[str, Any], path: Path) -> Path:
                      color=color, label=f"{mode} p50")
         latency.plot(xs, [r["p99_e2e_ms"] or float("nan") for r in rows], marker="x",
                      linestyle="--", color=color, label=f"{mode} p99")
+    levels = sorted({row["concurrency"] for row in report["levels"]})
     for ax in (throughput, latency):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(level) for level in levels])
         ax.set_xlabel("concurrent clients")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
