@@ -125,3 +125,14 @@ def test_requests_over_capacity_count_apart_from_failures(services) -> None:
     assert loaded["mismatches"] == 0  # the requests served are still exact
     refused = [r for r in report["requests"] if r["code"] == "RESOURCE_EXHAUSTED"]
     assert all("SPECDEC_MAX_CONCURRENT_REQUESTS" in r["error"] for r in refused)
+
+
+def test_a_prompt_without_token_ids_goes_as_chat_text() -> None:
+    from specdec.bench.load import request_for
+
+    mode = parse_load_mode("adaptive")
+    by_text = request_for(mode, LoadPrompt("t", [], "Hello there"), 8)
+    assert by_text.prompt == "Hello there" and by_text.chat and not by_text.prompt_token_ids
+    by_ids = request_for(mode, PROMPTS[0], 8)
+    assert list(by_ids.prompt_token_ids) == PROMPTS[0].token_ids and not by_ids.prompt
+    assert by_ids.speculation.adaptive and by_ids.max_new_tokens == 8

@@ -66,7 +66,8 @@ def parse_load_mode(text: str) -> LoadMode:
 @dataclass(frozen=True)
 class LoadPrompt:
     id: str
-    token_ids: list[int]
+    token_ids: list[int]  # empty: `text` goes as a chat prompt, tokenized by the coordinator
+    text: str = ""
 
 
 @dataclass
@@ -96,11 +97,16 @@ class LevelRun:
 
 def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
                 ) -> coordinator_pb2.GenerateRequest:
-    return coordinator_pb2.GenerateRequest(
-        prompt_token_ids=prompt.token_ids, max_new_tokens=max_new_tokens,
+    request = coordinator_pb2.GenerateRequest(
+        max_new_tokens=max_new_tokens,
         speculation=coordinator_pb2.SpeculationParams(
             num_draft_tokens=mode.num_draft_tokens, adaptive=mode.adaptive),
         request_id=f"load-{mode.name}-{prompt.id}")
+    if prompt.token_ids:
+        request.prompt_token_ids.extend(prompt.token_ids)
+    else:
+        request.prompt, request.chat = prompt.text, True
+    return request
 
 
 def stream_one(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,

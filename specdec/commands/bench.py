@@ -279,9 +279,14 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
     try:
         if stack is not None:
             stack.wait()
-        encode = chat_encoder(load_tokenizer(args.target_model))
-        prompts = [LoadPrompt(p.id, encode(p.text))
-                   for p in select(load_prompts(), per_category)]
+        chosen = select(load_prompts(), per_category)
+        try:
+            encode = chat_encoder(load_tokenizer(args.target_model))
+            prompts = [LoadPrompt(p.id, encode(p.text)) for p in chosen]
+        except (OSError, ValueError) as error:  # the coordinator applies its own template
+            print(f"no local tokenizer for {args.target_model} ({error}); sending the "
+                  "prompts as text", file=sys.stderr)
+            prompts = [LoadPrompt(p.id, [], p.text) for p in chosen]
         with grpc.insecure_channel(endpoint) as channel:
             report = run_load(coordinator_pb2_grpc.CoordinatorStub(channel), settings, prompts,
                               meta={"machine": machine_info(), "endpoint": endpoint,
