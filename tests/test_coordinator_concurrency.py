@@ -312,3 +312,36 @@ def test_round_spans_record_the_verify_batch_and_the_load_it_chose_under(models,
         assert attributes[n.LOAD_RUNNING] == 1 and n.LOAD_LIMITED in attributes
     # From the second round on the policy sees the batch: 3 sessions and 1 queued.
     assert [span.attributes[n.LOAD_SESSIONS] for span in rounds[1:]] == [4] * (len(rounds) - 1)
+
+
+def test_more_streams_than_the_running_limit_queue_and_all_complete(models, stack) -> None:
+    """300 streams at once against the default limits: 256 run, the rest wait their turn."""
+    target, _ = models
+    _, coordinator = stack()
+    streams = 300
+    expected = {i: serial_greedy(target, prompt_of(i), 6) for i in range(8)}
+    started = threading.Barrier(streams)
+    peak = 0
+    finished = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not finished.is_set():
+            peak = max(peak, coordinator.servicer.admission.counts().running)
+            time.sleep(0.01)
+
+    def one(i: int) -> list[int]:
+        started.wait()
+        return stream_tokens(coordinator.stub, request(prompt_of(i % 8), max_new_tokens=6,
+                                                       k=2 if i % 2 else 0))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with ThreadPoolExecutor(streams) as pool:
+        outputs = list(pool.map(one, range(streams)))
+    finished.set()
+    watcher.join()
+    assert all(out == expected[i % 8] for i, out in enumerate(outputs))
+    assert peak == coordinator.servicer.settings.max_concurrent_requests == 256
+    counts = coordinator.servicer.admission.counts()
+    assert (counts.admitted, counts.refused, counts.running) == (streams, 0, 0)
