@@ -34,6 +34,7 @@ from specdec.history import TokenHistory
 from specdec.interfaces import (
     CacheMirror,
     DraftUnavailable,
+    ForwardBatch,
     Proposal,
     Verification,
     draft_hidden_rows,
@@ -164,6 +165,12 @@ def _assume_done(mirror: CacheMirror, committed: TokenHistory) -> None:
     did not, the service answers FAILED_PRECONDITION and we re-sync: one extra call.
     """
     mirror.tokens = list(committed.tokens)
+
+
+def forward_batch(message: common_pb2.BatchInfo) -> ForwardBatch:
+    """A response's BatchInfo; all zero (a service that does not batch) reads as unknown."""
+    return ForwardBatch(message.sessions, message.rows, message.queue_wait_seconds,
+                        message.queued)
 
 
 def _code(error: grpc.RpcError) -> grpc.StatusCode:
@@ -326,7 +333,8 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
             self.relay.put(session_id, probs, response.probs)
         mirror.record(committed, tokens[:-1])  # the last proposal is never fed to the draft
         return Proposal(tokens, probs, time.perf_counter() - started, response.forward_seconds,
-                        resyncs, request.ByteSize() + response.ByteSize(), alternatives)
+                        resyncs, request.ByteSize() + response.ByteSize(), alternatives,
+                        batch=forward_batch(response.batch))
 
     def _checked_alternatives(self, response: draft_pb2.ProposeResponse, num_tokens: int,
                               asked: int) -> Alternatives:
@@ -445,7 +453,7 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
         return Verification(response.accepted_len, response.next_token,
                             time.perf_counter() - started, response.forward_seconds, resyncs,
                             request.ByteSize() + response.ByteSize(), hidden,
-                            sync.committed_position, kept)
+                            sync.committed_position, kept, forward_batch(response.batch))
 
     def _probs_message(self, session_id: str, draft_tokens: list[int],
                        draft_probs: torch.Tensor | None,

@@ -28,7 +28,9 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         max_new_tokens_limit=args.max_new_tokens_limit,
-        draft_timeout_s=args.draft_timeout_ms / 1000, target_timeout_s=args.target_timeout_s)
+        draft_timeout_s=args.draft_timeout_ms / 1000, target_timeout_s=args.target_timeout_s,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests)
 
 
 def replica_endpoints(args: argparse.Namespace, channels: ChannelPool) -> ReplicaEndpoints:
@@ -69,10 +71,29 @@ def create_with_endpoints(
         channels=channels, telemetry=telemetry)
     if telemetry is not None:  # tracing outermost: its span covers the other interceptors
         interceptors = [*telemetry.server_interceptors(), *interceptors]
-    handle = build_server([servicer.service()], host=args.host, port=args.port,
-                          max_workers=args.max_workers, interceptors=interceptors)
+    handle = build_coordinator_server(servicer, host=args.host, port=args.port,
+                                      max_workers=args.max_workers, interceptors=interceptors)
     handle.on_stop.append(endpoints.close)  # stop discovery before closing its channels
     handle.on_stop.append(channels.close)
     if telemetry is not None:
         handle.on_stop.append(telemetry.shutdown)  # flush the last spans
     return handle, endpoints
+
+
+def build_coordinator_server(servicer: CoordinatorServicer, *, host: str = "127.0.0.1",
+                             port: int = 0, max_workers: int = 0,
+                             interceptors: Sequence[grpc.ServerInterceptor] = ()
+                             ) -> ServerHandle:
+    """The coordinator's gRPC server, its thread pool sized for its admission limits.
+
+    A synchronous server: the Drafter/Verifier clients and the loop are blocking code,
+    and a thread per stream is cheap next to the model work behind it (an asyncio server
+    would still run each generation in a thread). So the pool holds a thread for every
+    running and queued request plus spares (Admission.threads_needed), and admission
+    control, not the pool, bounds the load: over capacity a request gets
+    RESOURCE_EXHAUSTED naming the limit. maximum_concurrent_rpcs is the backstop that
+    keeps gRPC from queueing calls, unbounded, for a thread.
+    """
+    workers = max(max_workers, servicer.admission.threads_needed())
+    return build_server([servicer.service()], host=host, port=port, max_workers=workers,
+                        interceptors=interceptors, maximum_concurrent_rpcs=workers)

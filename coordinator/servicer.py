@@ -5,6 +5,9 @@ discovered replica sets), build a GrpcDrafter and GrpcVerifier sharing a ProbsRe
 run `generate` in this thread (unary) or a worker thread feeding the stream. A client
 that cancels or whose deadline passes stops the loop after the current round; the
 loop's `finally` then releases both services' caches.
+
+Every generation holds an admission slot (coordinator.admission) while it runs: beyond
+the running and queued limits a request is answered RESOURCE_EXHAUSTED at once.
 """
 
 from __future__ import annotations
@@ -21,13 +24,20 @@ from typing import Any
 
 import grpc
 
+from coordinator.admission import (
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    Admission,
+    AdmissionAbandoned,
+    AdmissionRefused,
+)
 from coordinator.clients import ChannelPool, GrpcDrafter, GrpcVerifier, ProbsRelay
 from coordinator.endpoints import EndpointSource
 from coordinator.routing import ReplicaRoute
 from coordinator.streaming import StreamChunker
 from coordinator.validation import Limits, ValidRequest, decoder, validate
 from specdec import policy as policies
-from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE
+from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, length_policy
 from specdec.discovery import ReplicaSet
 from specdec.errors import SpecdecError
 from specdec.grpc_server import Service
@@ -45,6 +55,7 @@ from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.settings import default
 from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.observe import RequestObserver
+from specdec.telemetry.round_tracer import load_attributes
 from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)
@@ -66,6 +77,8 @@ class CoordinatorSettings:
     target_timeout_s: float = default("target-timeout-s")  # per Verify, retries included
     draft_backoff_initial_s: float = 0.25
     draft_backoff_max_s: float = 5.0
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS  # generations running
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS  # waiting for a running slot
 
 
 class Cancelled(Exception):
@@ -76,18 +89,12 @@ class Cancelled(Exception):
 
 def make_policy(num_draft_tokens: int, adaptive: bool, *,
                 max_length: int = default("max-adaptive-length"),
-                greedy: bool = True) -> policies.LengthPolicy:
-    """FixedLength, or specdec.adaptive's policy for `adaptive` requests once it exists."""
-    if adaptive and num_draft_tokens > 0:
-        try:
-            from specdec.adaptive import length_policy
-
-            return length_policy(num_draft_tokens, adaptive, max_length=max_length,
-                                 greedy=greedy)
-        except (ImportError, TypeError):  # not there yet, or a signature this code predates
-            log.warning("adaptive draft length unavailable; using a fixed length",
-                        exc_info=True)
-    return policies.FixedLength(num_draft_tokens)
+                greedy: bool = True,
+                running: Callable[[], int] | None = None) -> policies.LengthPolicy:
+    """FixedLength, or specdec.adaptive's load-aware policy for `adaptive` requests;
+    `running` counts the coordinator's running generations."""
+    return length_policy(num_draft_tokens, adaptive, max_length=max_length, greedy=greedy,
+                         running=running)
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -117,6 +124,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                              self.settings.num_draft_tokens, self.settings.draft_confidence,
                              self.settings.num_alternatives,
                              self.settings.prompt_lookup_tokens)
+        self.admission = Admission(self.settings.max_concurrent_requests,
+                                   self.settings.max_queued_requests)
+        self.telemetry.watch_queue(lambda: self.admission.counts().queued)
         # Checked here, so that a bad setting stops the coordinator at start.
         PromptLookup(target.vocab_size, 1, self.settings.prompt_lookup_min,
                      self.settings.prompt_lookup_max)
@@ -132,13 +142,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         valid = validate(request, self.limits, self.tokenizer)
         cancelled = threading.Event()
         context.add_callback(cancelled.set)
+        deadline = _deadline(context)
+
+        def is_cancelled() -> bool:
+            return cancelled.is_set() or not context.is_active()
+
+        self._admit(context, is_cancelled, deadline)
         try:
             with self.telemetry.request(request.request_id, len(valid.prompt_ids)) as observed:
-                result = self.run(valid, request.request_id, _deadline(context),
-                                  lambda: cancelled.is_set() or not context.is_active(),
+                result = self.run(valid, request.request_id, deadline, is_cancelled,
                                   observed=observed)
         except Cancelled:
             context.abort(grpc.StatusCode.CANCELLED, "client cancelled")
+        finally:
+            self.admission.release()
         response = coordinator_pb2.GenerateResponse(
             text=result.text or "", token_ids=result.token_ids,
             finish_reason=result.finish_reason, trace_id=observed.trace_id)
@@ -154,6 +171,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             abort(context, error)
         cancelled = threading.Event()
         context.add_callback(cancelled.set)
+        deadline = _deadline(context)
+
+        def is_cancelled() -> bool:
+            return cancelled.is_set() or not context.is_active()
+
+        self._admit(context, is_cancelled, deadline)
         chunks: queue.Queue[coordinator_pb2.GenerateResponse | BaseException | None] = queue.Queue()
         chunker = StreamChunker(self.decode, valid.stop)
         output: list[int] = []
@@ -168,8 +191,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             try:
                 with self.telemetry.request(request.request_id,
                                             len(valid.prompt_ids)) as observed:
-                    result = self.run(valid, request.request_id, _deadline(context),
-                                      lambda: cancelled.is_set() or not context.is_active(),
+                    result = self.run(valid, request.request_id, deadline, is_cancelled,
                                       on_round, observed=observed)
                 text, tokens = chunker.finish(result.text or "", result.token_ids)
                 last = coordinator_pb2.GenerateResponse(text=text, token_ids=tokens,
@@ -180,11 +202,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 chunks.put(None)
             except BaseException as error:  # noqa: BLE001 - handed to the RPC thread
                 chunks.put(error)
+            finally:
+                self.admission.release()
 
         # copy_context: the worker's spans join the trace of this RPC's server span.
         worker = threading.Thread(target=contextvars.copy_context().run, args=(work,),
                                   name="generate-stream", daemon=True)
-        worker.start()
+        try:
+            worker.start()
+        except BaseException:
+            self.admission.release()  # the worker that would release it never ran
+            raise
         try:
             while True:
                 item = chunks.get()
@@ -200,6 +228,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 yield item
         finally:
             cancelled.set()  # the client stopped reading: end the loop, free the caches
+
+    def _admit(self, context: grpc.ServicerContext, is_cancelled: Callable[[], bool],
+               deadline: float | None) -> None:
+        """Take a running slot (see coordinator.admission), or end the RPC: over
+        capacity RESOURCE_EXHAUSTED at once; gone while queued CANCELLED or
+        DEADLINE_EXCEEDED. The caller releases the slot when the generation ends."""
+        try:
+            self.admission.acquire(is_cancelled, deadline)
+        except AdmissionRefused as error:
+            self.telemetry.record_refused_request()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except AdmissionAbandoned:
+            if deadline is not None and time.monotonic() >= deadline:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              "the deadline passed while the request waited for a running "
+                              f"slot (limit {self.admission.max_running}, "
+                              "SPECDEC_MAX_CONCURRENT_REQUESTS)")
+            context.abort(grpc.StatusCode.CANCELLED, "client cancelled while queued")
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, valid: ValidRequest, request_id: str, deadline: float | None,
@@ -233,9 +279,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             loop_drafter = observed.drafter(drafter) if drafter is not None else None
             loop_verifier = observed.verifier(verifier)
 
+        policy = make_policy(valid.num_draft_tokens, valid.adaptive,
+                             max_length=self.settings.max_draft_tokens,
+                             greedy=valid.sampling.greedy,
+                             running=lambda: self.admission.running)
+
         def on_round(event: RoundEvent) -> None:
             if observed is not None:  # record the round even if the client has gone
+                if isinstance(policy, AdaptiveLength) and observed.tracer is not None:
+                    observed.tracer.annotate_round(load_attributes(policy))
                 observed.on_round(event)
+            if isinstance(policy, AdaptiveLength) and policy.load_limited:
+                self.telemetry.record_load_limited_round()
             if is_cancelled():
                 raise Cancelled()
             if on_event is not None:
@@ -244,10 +299,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         backoff = policies.DraftBackoff(self.settings.draft_backoff_initial_s,
                                         self.settings.draft_backoff_max_s)
         result = generate(loop_drafter, loop_verifier, valid.prompt_ids, config,
-                          policy=make_policy(valid.num_draft_tokens, valid.adaptive,
-                                            max_length=self.settings.max_draft_tokens,
-                                            greedy=valid.sampling.greedy),
-                          decode=self.decode, on_round=on_round, backoff=backoff)
+                          policy=policy, decode=self.decode, on_round=on_round,
+                          backoff=backoff)
         if observed is not None:
             observed.finish(result)
         return result

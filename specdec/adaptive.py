@@ -19,6 +19,19 @@ with the best ratio, every round, from running estimates of both:
   `min_samples` measurements the policy sweeps the unmeasured ones (a few rounds once per
   process); a k without data is costed by interpolation between measured neighbours.
 
+Under load (services that batch several sessions into one forward report it in each
+response's BatchInfo) a session's rows also lengthen every other session's forward, so
+the choice maximises what the deployment gains from the round rather than the session
+alone: the session's own rate E(k) / W(k) minus the rate the other B - 1 sessions lose
+to its k + 1 rows, (B - 1) * r * c * (k + 1) / W, where c is the seconds a row adds to
+a forward (a line fitted to observed forward times against rows) and r, W an other
+session's rate and round time (one drafting what its observed rows say, accepting like
+this session). At the symmetric point this is the gradient of the deployment's total
+rate, B * E(k) / W(k). The rule is smooth in B: long drafts, then alternatives, then
+drafting itself (k = 0: no Propose) fade out as load grows and come back as it falls;
+there is no batch-size threshold. An all-zero BatchInfo (a service that does not batch)
+counts as running alone.
+
 HeuristicLength is transformers' "+2 after a fully accepted round, -1 otherwise".
 """
 
@@ -28,10 +41,11 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from specdec.acceptance import ChainAcceptance
-from specdec.interfaces import Proposal, Verification
+from specdec.interfaces import ForwardBatch, Proposal, Verification
 from specdec.policy import FixedLength, LengthPolicy
 from specdec.settings import default
 
@@ -86,6 +100,87 @@ class CostTable:
         return self.mean[nearest]
 
 
+class RowCost:
+    """Seconds of a forward against the rows in it: a discounted least-squares line
+    T(R) = fixed + per_row * R over (BatchInfo.rows, forward seconds) observations."""
+
+    def __init__(self, decay: float = 0.995, min_spread: float = 1.0) -> None:
+        self.decay = decay
+        self.min_spread = min_spread  # rows: the standard deviation a slope needs
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self._n = self._n * d + 1.0
+        self._x = self._x * d + rows
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + rows * rows
+        self._xy = self._xy * d + rows * seconds
+
+    def per_row_seconds(self) -> float | None:
+        """The line's slope (never negative), or None until rows have varied enough."""
+        if self._n < 2.0:
+            return None
+        mean_x = self._x / self._n
+        variance = self._xx / self._n - mean_x * mean_x
+        if variance < self.min_spread ** 2:
+            return None
+        covariance = self._xy / self._n - mean_x * self._y / self._n
+        return max(0.0, covariance / variance)
+
+
+@dataclass(frozen=True)
+class SharedLoad:
+    """What the next verify forward is expected to hold besides this session's rows."""
+
+    sessions: float = 1.0  # sessions sharing it, this one included
+    other_rows: float = 0.0  # the other sessions' rows
+
+    @property
+    def alone(self) -> bool:
+        return self.sessions <= 1.0 and self.other_rows <= 0.0
+
+    @property
+    def rows_per_other(self) -> float:
+        return self.other_rows / (self.sessions - 1.0) if self.sessions > 1.0 else 0.0
+
+
+RUNNING_ALONE = SharedLoad()
+
+
+def expected_load(batch: ForwardBatch, own_rows: int, running_then: int = 0,
+                  running_now: int = 0) -> SharedLoad:
+    """The load of the next forward, from the last Verify's BatchInfo.
+
+    Calls queued behind that forward join the next one; the coordinator's count of
+    running generations (then: when that forward ran; now) scales the estimate, since it
+    moves as soon as requests arrive or finish, a round before BatchInfo shows it. An
+    unknown batch (all zero) is running alone."""
+    if not batch.known:
+        return RUNNING_ALONE
+    observed = max(1, batch.sessions)
+    others_rows = max(0, batch.rows - own_rows)
+    per_other = others_rows / (observed - 1) if observed > 1 else float(own_rows)
+    sessions = float(observed + batch.queued)
+    if running_then > 0 and running_now > 0:
+        sessions *= running_now / running_then
+    sessions = max(1.0, sessions)
+    return SharedLoad(sessions, (sessions - 1.0) * per_other)
+
+
+def shared_rate(expected: float, seconds: float, rows: float, load: SharedLoad,
+                per_row_s: float, others_rate: float, others_round_s: float) -> float:
+    """Tokens per second the deployment gains from a round: the session's own rate
+    (expected tokens over its round's seconds) minus what its `rows` cost the other
+    sessions sharing the forward, each losing others_rate * per_row_s * rows /
+    others_round_s. Alone, just the session's own rate."""
+    own = expected / seconds
+    if load.sessions <= 1.0 or others_round_s <= 0.0:
+        return own
+    lost = (load.sessions - 1.0) * others_rate * per_row_s * rows / others_round_s
+    return own - lost
+
+
 class CostModel:
     """Per-deployment round costs, shared across sessions (thread-safe), and the typical
     acceptance of recent sessions per kind of request, a prior for new sessions."""
@@ -94,6 +189,7 @@ class CostModel:
         self.draft = CostTable(ema)  # Propose wait for k tokens
         self.verify = CostTable(ema)  # Verify wait with k draft tokens (k + 1 new)
         self.overhead = CostTable(ema)  # the rest of a round, under key 0
+        self.rows = RowCost()  # verify forward seconds against the rows it carried
         self.acceptance_decay = acceptance_decay
         self._acceptance: dict[str, list[float]] = {}  # key -> [successes, failures]
         self._lock = threading.Lock()
@@ -134,6 +230,23 @@ class CostModel:
             if round_s is not None:
                 self.overhead.observe(0, max(0.0, round_s - verify_s - (draft_s or 0.0)))
 
+    def observe_forward(self, rows: int, forward_s: float) -> None:
+        with self._lock:
+            self.rows.observe(rows, forward_s)
+
+    def per_row_seconds(self) -> float:
+        """What one more row adds to a verify forward: the fitted line's slope, else the
+        growth of the per-k verify costs (each k verifies one more row), else 0."""
+        with self._lock:
+            fitted = self.rows.per_row_seconds()
+            if fitted is not None:
+                return fitted
+            known = sorted(self.verify.mean)
+            if len(known) < 2:
+                return 0.0
+            low, high = known[0], known[-1]
+            return max(0.0, (self.verify.mean[high] - self.verify.mean[low]) / (high - low))
+
     def round_seconds(self, k: int, drafted: bool = True) -> float | None:
         """A round verifying k proposed tokens; drafted=False: proposed without the draft
         model (prompt lookup), so no Propose wait."""
@@ -163,7 +276,8 @@ class AdaptiveLength:
                  prior_alpha: float = 0.6, prior_strength: float = 4.0, decay: float = 0.95,
                  shrink: float = 3.0, allow_zero: bool = True, min_samples: float = 2.0,
                  probe_every: int = 8, prior_key: str = "default",
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 running: Callable[[], int] | None = None) -> None:
         self.initial = max(0, min(initial, max_length))
         self.max_length = max_length
         self.costs = costs if costs is not None else CostModel()
@@ -188,7 +302,21 @@ class AdaptiveLength:
         self.chosen: list[int] = []
         self._choice: int | None = None
         self._round_started: float | None = None
-        self._last: tuple[int, float | None, float] | None = None
+        # The previous round's (k, draft wait, verify wait, other sessions' rows in its
+        # forward), costed once the round's wall time is known.
+        self._last: tuple[int, float | None, float, int] | None = None
+        # Load: the coordinator's count of running generations (None: not known), and
+        # what the next forward is expected to hold, from the last Verify's BatchInfo.
+        self.running = running
+        self._running_at_call = 0
+        self.load = RUNNING_ALONE
+        self._reference = self.initial  # the k other sessions draft, from their rows
+        self.alternatives_offered = 0.0  # discounted, over drafting rounds
+        self.alternatives_kept = 0.0
+        # Rounds whose k load made shorter than the session alone would have drafted.
+        self.load_limited_rounds = 0
+        self.load_limited = False  # this round's
+        self.alone_choice: int | None = None  # this round's choice had it run alone
 
     # -- estimates ---------------------------------------------------------------------
     def alpha(self) -> float:
@@ -222,16 +350,84 @@ class AdaptiveLength:
         """A round verifying k tokens that did not come from the draft model."""
         return self.costs.round_seconds(k, drafted=False)
 
+    def shared_value(self, k: int, expected: float | None = None,
+                     alternatives: int = 0) -> float | None:
+        """Tokens per second the deployment gains from a round drafting k under the
+        current load (shared_rate); alone, the session's own rate."""
+        seconds = self.costs.round_seconds(k)
+        if seconds is None or seconds <= 0:
+            return None
+        tokens = self.expected_tokens(k) if expected is None else expected
+        if self.load.alone:
+            return tokens / seconds
+        per_row = self.costs.per_row_seconds()
+        shared = per_row * self.load.other_rows
+        reference_s = (self.costs.round_seconds(self._reference) or seconds) + shared
+        others_rate = self.expected_tokens(self._reference) / reference_s
+        return shared_rate(tokens, seconds + shared, k + 1 + alternatives, self.load,
+                           per_row, others_rate, reference_s)
+
+    def shared_values(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for k in range(0 if self.allow_zero else 1, self.max_length + 1):
+            value = self.shared_value(k)
+            if value is not None:
+                out[k] = value
+        return out
+
+    def alternative_keep_rate(self) -> float:
+        """How often one offered alternative is kept (a weak prior of one in ten)."""
+        return (self.alternatives_kept + 0.1) / (self.alternatives_offered + 1.0)
+
+    def next_alternatives(self, limit: int) -> int:
+        """How many of the draft's next-best tokens to verify this round (at most
+        `limit`): each is one more row in everyone's forward, so under load they are
+        sent only while the tokens they are expected to add (keep rate over the round's
+        seconds) cover what the row costs this session and the others."""
+        if limit <= 0 or self.load.alone:
+            return limit
+        k = self._choice if self._choice is not None else self._reference
+        seconds = self.costs.round_seconds(k)
+        if k == 0 or seconds is None or seconds <= 0:
+            return limit if k else 0
+        per_row = self.costs.per_row_seconds()
+        seconds += per_row * self.load.other_rows
+        gain = self.alternative_keep_rate() / seconds
+        reference_s = (self.costs.round_seconds(self._reference) or seconds) \
+            + per_row * self.load.other_rows
+        others_rate = self.expected_tokens(self._reference) / reference_s
+        cost = per_row * (self.expected_tokens(k) / seconds ** 2
+                          + (self.load.sessions - 1.0) * others_rate / reference_s)
+        return limit if gain >= cost else 0
+
     # -- LengthPolicy ----------------------------------------------------------------------
     def next_length(self) -> int:
         now = self._clock()
         if self._last is not None and self._round_started is not None and self.rounds > 1:
-            k, draft_s, verify_s = self._last  # the previous round, now that its wall is known
-            self.costs.observe(k, draft_s, verify_s, now - self._round_started)
+            k, draft_s, verify_s, other_rows = self._last  # now that its wall is known
+            # The per-k costs are the session's own: what the others' rows added to its
+            # forward is taken out (and added back for the load of each round chosen).
+            shared = self.costs.per_row_seconds() * other_rows
+            self.costs.observe(k, draft_s, max(0.0, verify_s - shared),
+                               max(0.0, now - self._round_started - shared))
         self._last = None
         self._round_started = now
+        self._running_at_call = self.running() if self.running is not None else 0
         self._choice = self._choose()
+        if self.rounds > 0:
+            self._note_load_limit(self._choice)
         return self._choice
+
+    def _note_load_limit(self, chosen: int) -> None:
+        self.load_limited = False
+        self.alone_choice = None
+        if self.load.alone:
+            return
+        rates = self.rates()
+        if rates:
+            self.alone_choice = max(rates, key=lambda k: (rates[k], -k))
+            self.load_limited = chosen < self.alone_choice
+            self.load_limited_rounds += self.load_limited
 
     def _choose(self) -> int:
         first = 0 if self.allow_zero else 1
@@ -242,7 +438,7 @@ class AdaptiveLength:
             return self.initial
         if unmeasured:  # sweep, nearest to the starting length first
             return min(unmeasured, key=lambda k: (known[k], abs(k - self.initial), k))
-        rates = self.rates()
+        rates = self.shared_values()
         if not rates:
             return self.initial
         best = max(rates, key=lambda k: (rates[k], -k))
@@ -258,8 +454,8 @@ class AdaptiveLength:
         # (posterior mean + 1 sd) says so, and then probe now and again.
         optimistic = self.upper_alpha()
         for k in drafting:
-            seconds = self.costs.round_seconds(k) or 0.0
-            if seconds > 0 and expected_tokens(optimistic, k) / seconds > rates[0]:
+            value = self.shared_value(k, expected_tokens(optimistic, k))
+            if value is not None and value > rates[0]:
                 return best_drafting
         self._idle_rounds += 1
         if self._idle_rounds < self._probe_interval:
@@ -277,6 +473,18 @@ class AdaptiveLength:
         if self._choice is not None:
             self.chosen.append(self._choice)
             self._choice = None
+        if proposal is not None and proposal.alternatives:
+            self.alternatives_offered = (self.alternatives_offered * self.decay
+                                         + len(proposal.alternatives))
+            self.alternatives_kept = (self.alternatives_kept * self.decay
+                                      + (verification.alternative_token is not None))
+        own_rows = 1 + (len(proposal.tokens) + len(proposal.alternatives) if proposal else 0)
+        batch = verification.batch
+        running_now = self.running() if self.running is not None else 0
+        self.load = expected_load(batch, own_rows, self._running_at_call, running_now)
+        if not self.load.alone:  # what the others draft: their rows less the one verified
+            self._reference = max(0, min(self.max_length,
+                                         round(self.load.rows_per_other) - 1))
         if asked > 0:  # evidence ages per drafting round: k = 0 rounds teach nothing
             self.successes = self.successes * self.decay + accepted_len
             self.failures = self.failures * self.decay + (1.0 if accepted_len < asked else 0.0)
@@ -285,8 +493,11 @@ class AdaptiveLength:
         resynced = verification.resyncs or (proposal is not None and proposal.resyncs)
         # Round 1 carries the prompt's prefill; a resync re-sends the history: not typical.
         if self.rounds > 1 and not resynced:
+            other_rows = max(0, batch.rows - own_rows) if batch.known else 0
             self._last = (asked, proposal.elapsed_s if proposal else None,
-                          verification.elapsed_s)
+                          verification.elapsed_s, other_rows)
+            if batch.known and verification.forward_s > 0:
+                self.costs.observe_forward(batch.rows, verification.forward_s)
 
 
 class HeuristicLength:
@@ -309,11 +520,13 @@ class HeuristicLength:
 
 
 def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAULT_MAX_LENGTH,
-                  costs: CostModel | None = None, greedy: bool = True) -> LengthPolicy:
+                  costs: CostModel | None = None, greedy: bool = True,
+                  running: Callable[[], int] | None = None) -> LengthPolicy:
     """The policy a request asks for: adaptive (starting at num_draft_tokens) or fixed.
 
     Adaptive sessions share `costs` (default: this process's SHARED_COSTS) and learn a
-    prior acceptance per kind of request (greedy or sampled accept differently).
+    prior acceptance per kind of request (greedy or sampled accept differently);
+    `running` counts the generations the caller runs now (its load).
     """
     if adaptive and num_draft_tokens > 0:
         # Past DEFAULT_MAX_LENGTH tokens a CPU verify costs more than the extra acceptance
@@ -321,5 +534,5 @@ def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAU
         longest = min(max_length, max(DEFAULT_MAX_LENGTH, num_draft_tokens))
         return AdaptiveLength(num_draft_tokens, max(1, longest),
                               costs=SHARED_COSTS if costs is None else costs,
-                              prior_key="greedy" if greedy else "sampled")
+                              prior_key="greedy" if greedy else "sampled", running=running)
     return FixedLength(num_draft_tokens)

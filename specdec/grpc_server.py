@@ -71,11 +71,15 @@ class ServerHandle:
 def build_server(services: Sequence[Service], *, host: str = "127.0.0.1", port: int = 0,
                  max_workers: int = default("max-workers"),
                  interceptors: Sequence[grpc.ServerInterceptor] = (),
-                 options: Sequence[tuple[str, object]] = ()) -> ServerHandle:
-    """Create, bind and start a server; port 0 picks a free port (see handle.address)."""
+                 options: Sequence[tuple[str, object]] = (),
+                 maximum_concurrent_rpcs: int | None = None) -> ServerHandle:
+    """Create, bind and start a server; port 0 picks a free port (see handle.address).
+
+    maximum_concurrent_rpcs: calls beyond it are answered RESOURCE_EXHAUSTED by gRPC
+    itself instead of waiting, unbounded, for a thread (None: no limit)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=list(interceptors),
+        interceptors=list(interceptors), maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         # No SO_REUSEPORT: a second server on a busy port must fail, not share traffic.
         options=[*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0), *options])
     for service in services:

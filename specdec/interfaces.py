@@ -19,6 +19,26 @@ from specdec.stats import DRAFT_MODEL
 
 
 @dataclass(frozen=True)
+class ForwardBatch:
+    """The forward a Propose or Verify ran in, as the service reports it (BatchInfo).
+
+    All zero: unknown (a service that does not batch reports nothing); the call then
+    counts as having run alone."""
+
+    sessions: int = 0  # sessions whose rows shared the forward, this one included
+    rows: int = 0  # token rows in that forward, all sessions together
+    queue_wait_s: float = 0.0  # how long the call waited for a forward to take it
+    queued: int = 0  # calls waiting for the next forward when this one ran
+
+    @property
+    def known(self) -> bool:
+        return self.sessions > 0 or self.rows > 0
+
+
+ALONE = ForwardBatch()
+
+
+@dataclass(frozen=True)
 class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None  # dense [k, target vocab] q; None for greedy requests
@@ -28,6 +48,7 @@ class Proposal:
     wire_bytes: int = 0
     alternatives: Alternatives = NO_ALTERNATIVES  # greedy only: verified beside the chain
     source: str = DRAFT_MODEL
+    batch: ForwardBatch = ALONE
 
 
 @dataclass(frozen=True)
@@ -44,6 +65,7 @@ class Verification:
     hidden_position: int = 0
     # The alternative kept after the chain's accepted_len tokens (before next_token).
     alternative_token: int | None = None
+    batch: ForwardBatch = ALONE
 
     @property
     def accepted_tokens(self) -> int:

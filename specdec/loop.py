@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 from specdec.history import HiddenStateLog, TokenHistory
 from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verification, Verifier
-from specdec.policy import CostedPolicy, DraftBackoff, FixedLength, LengthPolicy
+from specdec.policy import (
+    AlternativesPolicy,
+    CostedPolicy,
+    DraftBackoff,
+    FixedLength,
+    LengthPolicy,
+)
 from specdec.prompt_lookup import LookupEvidence, PromptLookup
 from specdec.rejection import NO_ALTERNATIVES
 from specdec.sampling import SamplingParams
@@ -167,10 +173,14 @@ class _Generation:
         if not self.backoff.ready():
             self.stats.degraded = True
             return None
+        # A load-aware policy turns alternatives off when their rows cost the batch more
+        # than they gain.
+        alternatives = (self.policy.next_alternatives(self.num_alternatives)
+                        if isinstance(self.policy, AlternativesPolicy) else self.num_alternatives)
         try:
             proposal = self.drafter.propose(  # type: ignore[union-attr]
                 self.session_id, self.committed, asked, self.params,
-                self.config.draft_confidence, self.num_alternatives)
+                self.config.draft_confidence, alternatives)
         except DraftUnavailable:
             self.backoff.failed()
             self.stats.degraded = True

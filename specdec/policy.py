@@ -32,6 +32,16 @@ class CostedPolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class AlternativesPolicy(Protocol):
+    """A policy that also decides how many alternatives a round verifies (AdaptiveLength
+    under load: each is one more row in a forward other sessions share)."""
+
+    def next_alternatives(self, limit: int) -> int:
+        """At most `limit`; asked after next_length, for the same round."""
+        ...
+
+
 class FixedLength:
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = num_draft_tokens

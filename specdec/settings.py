@@ -113,6 +113,12 @@ _ALL = (
     Setting("session-ttl-s", 600.0,
             "release a session's KV cache after this long without calls", SERVICE, type=float),
     Setting("grace-s", 5.0, "graceful-stop period for in-flight calls", SERVICE, type=float),
+    Setting("max-concurrent-requests", 256,
+            "coordinator: generations running at once; more wait in a queue", LIMITS,
+            type=int),
+    Setting("max-queued-requests", 256,
+            "coordinator: requests waiting for a running slot; beyond this a request is "
+            "refused at once with RESOURCE_EXHAUSTED", LIMITS, type=int),
     Setting("max-batch-sessions", 32,
             "draft/target: most sessions whose calls share one forward", SERVICE, type=int),
     Setting("max-batch-rows", 256,
@@ -209,7 +215,8 @@ SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-
                     "draft-alternatives", "prompt-lookup-tokens", "prompt-lookup-min",
                     "prompt-lookup-max", "max-new-tokens-limit", "draft-timeout-ms",
                     "target-timeout-s", "grace-s", "max-batch-sessions",
-                    "max-batch-rows", "max-batch-prefills")
+                    "max-batch-rows", "max-batch-prefills",
+                    "max-concurrent-requests", "max-queued-requests")
 ADDRESS_SETTINGS = ("host", "port", "draft-endpoint", "target-endpoint")
 TELEMETRY_SETTINGS = tuple(s.name for s in _ALL if s.group == TELEMETRY)
 

@@ -11,14 +11,19 @@ from tiny_models import tiny_llama
 
 from specdec.acceptance import ChainAcceptance
 from specdec.adaptive import (
+    RUNNING_ALONE,
     AdaptiveLength,
     CostModel,
     CostTable,
     HeuristicLength,
+    RowCost,
+    SharedLoad,
+    expected_load,
     length_policy,
+    shared_rate,
 )
 from specdec.bench.costs import CostCurve, expected_tokens
-from specdec.interfaces import Proposal, Verification
+from specdec.interfaces import ALONE, ForwardBatch, Proposal, Verification
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, generate
 from specdec.policy import FixedLength
@@ -235,3 +240,190 @@ def test_adaptive_with_the_gate_picks_a_near_best_cap_and_finishes_its_sweep() -
     assert max(rates, key=rates.__getitem__) >= 4  # long caps pay here, thanks to the gate
     top = Counter(policy.chosen[-150:]).most_common(1)[0][0]
     assert rates[top] >= 0.95 * max(rates.values()), (top, rates)
+
+
+# -- under load: other sessions share the verify forward ---------------------------------
+def forward_s(rows: int, fixed_s: float, per_row_s: float) -> float:
+    return fixed_s + per_row_s * rows
+
+
+def aggregate_rate(k: int, sessions: int, alpha: float, draft_s: float, fixed_s: float,
+                   per_row_s: float, overhead_s: float) -> float:
+    """Tokens per second of `sessions` symmetric sessions all drafting k."""
+    round_s = k * draft_s + forward_s(sessions * (k + 1), fixed_s, per_row_s) + overhead_s
+    return sessions * expected_tokens(alpha, k) / round_s
+
+
+def simulate_load(policy: AdaptiveLength, clock: FakeClock, alpha: float, sessions: int,
+                  rounds: int, draft_s: float, fixed_s: float, per_row_s: float,
+                  overhead_s: float = 0.002, seed: int = 0) -> None:
+    """Rounds of one session among `sessions` symmetric ones: the others draft what this
+    one drafted last round, and every Verify reports the shared forward's BatchInfo."""
+    rng = random.Random(seed)
+    others_k = policy.chosen[-1] if policy.chosen else policy.initial
+    for _ in range(rounds):
+        k = policy.next_length()
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        rows = (k + 1) + (sessions - 1) * (others_k + 1)
+        forward = forward_s(rows, fixed_s, per_row_s)
+        batch = ForwardBatch(sessions=sessions, rows=rows) if sessions > 1 else ALONE
+        proposal = Proposal(list(range(k)), None, k * draft_s) if k else None
+        verification = Verification(accepted, 0, forward + 0.001, forward, batch=batch)
+        clock.now += k * draft_s + forward + 0.001 + overhead_s
+        policy.observe(k, accepted, proposal, verification)
+        others_k = k
+
+
+LOADS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def settle_under_loads(alpha: float, draft_s: float, fixed_s: float,
+                       per_row_s: float) -> dict[int, int]:
+    """The length a session settles on at each load, the load rising step by step."""
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, clock=clock, costs=CostModel(), decay=0.98)
+    simulate_load(policy, clock, alpha, 1, 120, draft_s, fixed_s, per_row_s)  # the sweep
+    settled = {}
+    for sessions in LOADS:
+        simulate_load(policy, clock, alpha, sessions, 120, draft_s, fixed_s, per_row_s,
+                      seed=sessions)
+        settled[sessions] = Counter(policy.chosen[-60:]).most_common(1)[0][0]
+    return settled
+
+
+def test_expected_load_reads_batch_info_and_all_zero_as_alone() -> None:
+    assert expected_load(ALONE, own_rows=3).alone
+    assert expected_load(ForwardBatch(), own_rows=3, running_then=4, running_now=8).alone
+    load = expected_load(ForwardBatch(sessions=4, rows=15, queued=2), own_rows=3)
+    # 3 others with 12 rows between them; the 2 queued calls join the next forward.
+    assert load.sessions == 6 and load.other_rows == pytest.approx(5 * 4)
+    grown = expected_load(ForwardBatch(sessions=4, rows=15), own_rows=3, running_then=4,
+                          running_now=8)
+    assert grown.sessions == 8 and grown.other_rows == pytest.approx(7 * 4)
+    assert expected_load(ForwardBatch(sessions=1, rows=3), own_rows=3).alone
+
+
+def test_row_cost_fits_forward_seconds_against_rows() -> None:
+    costs = RowCost()
+    costs.observe(5, 0.0315)
+    assert costs.per_row_seconds() is None  # one row count says nothing about a slope
+    for rows in (1, 8, 32, 64, 8, 1):
+        costs.observe(rows, 0.030 + 0.0003 * rows)
+    assert costs.per_row_seconds() == pytest.approx(0.0003, rel=0.1)
+
+
+def test_shared_rate_alone_is_the_own_rate_and_falls_with_the_sharers() -> None:
+    alone = shared_rate(3.0, 0.06, 5, RUNNING_ALONE, 0.001, 40.0, 0.06)
+    assert alone == pytest.approx(3.0 / 0.06)
+    values = [shared_rate(3.0, 0.06, 5, SharedLoad(b, 4.0 * (b - 1)), 0.001, 40.0, 0.06)
+              for b in (1, 2, 8, 32)]
+    assert values == sorted(values, reverse=True) and values[0] == alone
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.85])
+def test_under_load_long_drafts_fade_smoothly_with_no_throughput_cliff(alpha: float) -> None:
+    # A forward of reference-CPU shape: a fixed part and a small cost per row.
+    draft_s, fixed_s, per_row_s = 0.004, 0.030, 0.0006
+    settled = settle_under_loads(alpha, draft_s, fixed_s, per_row_s)
+    lengths = [settled[b] for b in LOADS]
+    assert lengths == sorted(lengths, reverse=True), settled  # never longer under more load
+    assert lengths[0] > lengths[-1], settled
+    for sessions, k in settled.items():
+        rates = {j: aggregate_rate(j, sessions, alpha, draft_s, fixed_s, per_row_s, 0.003)
+                 for j in range(9)}
+        # Near the best the deployment can do at every load: no batch size at which the
+        # rule falls off a cliff.
+        assert rates[k] >= 0.9 * max(rates.values()), (sessions, k, settled)
+
+
+def test_speculation_stops_when_rows_dominate_the_forward_and_resumes_as_load_falls() -> None:
+    draft_s, fixed_s, per_row_s = 0.004, 0.030, 0.003  # a row-bound forward
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, clock=clock, costs=CostModel(), decay=0.98)
+    simulate_load(policy, clock, 0.7, 1, 120, draft_s, fixed_s, per_row_s)
+    assert Counter(policy.chosen[-40:]).most_common(1)[0][0] > 0
+    simulate_load(policy, clock, 0.7, 48, 120, draft_s, fixed_s, per_row_s, seed=1)
+    assert Counter(policy.chosen[-40:]).most_common(1)[0][0] == 0  # target-only rounds
+    assert policy.load_limited_rounds > 0
+    simulate_load(policy, clock, 0.7, 1, 120, draft_s, fixed_s, per_row_s, seed=2)
+    assert Counter(policy.chosen[-40:]).most_common(1)[0][0] > 0  # drafting again
+
+
+def test_alternatives_turn_off_under_load_and_stay_on_alone() -> None:
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, clock=clock, costs=CostModel(), decay=0.98)
+    simulate_load(policy, clock, 0.7, 1, 120, 0.004, 0.030, 0.0006)
+    policy.next_length()
+    assert policy.next_alternatives(2) == 2  # alone (or unknown load): as configured
+    simulate_load(policy, clock, 0.7, 64, 120, 0.004, 0.030, 0.0006, seed=3)
+    policy.next_length()
+    assert policy.next_alternatives(2) == 0
+
+
+class Schedule:
+    """A LengthPolicy that drafts the given lengths in turn (0: a target-only round)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+        self.rounds = 0
+
+    def next_length(self) -> int:
+        return self.lengths[min(self.rounds, len(self.lengths) - 1)]
+
+    def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,
+                verification: Verification) -> None:
+        self.rounds += 1
+
+
+def test_drafting_resumes_after_a_pause_with_the_draft_cache_caught_up() -> None:
+    """After target-only rounds the draft has missed the tokens they committed; its next
+    Propose catches them up (SyncPoint), so each proposal after a pause is the one a fresh
+    draft makes from the same committed text, and is accepted exactly as often."""
+    import grpc
+    from service_harness import Services
+
+    from coordinator.clients import GrpcDrafter, GrpcVerifier
+    from specdec.history import TokenHistory
+    from specdec.loop import RoundEvent
+    from specdec.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    vocab = 32
+    target, draft = tiny_llama(vocab, seed=1), tiny_llama(vocab, seed=1, layers=2)
+    draft.load_state_dict(target.state_dict())  # the target as its draft: all accepted
+    other_draft = tiny_llama(vocab, seed=2, layers=1)
+    prompt = [1, 5, 7, 3]
+    pauses = [3, 3, 0, 0, 0, 3, 0, 3, 3, 0, 0, 3, 3, 3, 3, 3, 3, 3]
+    for draft_model, identical in ((draft, True), (other_draft, False)):
+        stack = Services(draft_model, target)
+        try:
+            rounds: list[RoundEvent] = []
+            history: list[list[int]] = []
+            drafter = GrpcDrafter(grpc.insecure_channel(stack.draft_endpoint),
+                                  stack.draft_endpoint, vocab_size=vocab, timeout_s=10)
+            verifier = GrpcVerifier(grpc.insecure_channel(stack.target_endpoint),
+                                    stack.target_endpoint, call_timeout_s=10)
+            result = generate(drafter, verifier, prompt,
+                              GenerateConfig(max_new_tokens=40, num_draft_tokens=3),
+                              policy=Schedule(pauses), on_round=rounds.append)
+            committed = [*prompt, *result.token_ids]
+            for event in rounds:
+                history.append(committed[:event.position_before])
+            drafted = [(event, before) for event, before in zip(rounds, history, strict=True)
+                       if event.proposal is not None]
+            after_pause = [i for i, event in enumerate(rounds)
+                           if event.proposal is not None and i > 0 and rounds[i - 1].asked == 0]
+            assert len(after_pause) >= 2  # the schedule paused and resumed
+            if identical:
+                assert all(event.accepted_len == len(event.proposal.tokens)  # type: ignore[union-attr]
+                           for event, _ in drafted)
+            fresh = LocalDrafter(ModelRunner(draft_model, target_vocab_size=vocab))
+            for n, (event, before) in enumerate(drafted):
+                assert event.proposal is not None
+                proposal = fresh.propose(f"fresh-{n}", TokenHistory(before),
+                                         len(event.proposal.tokens), SamplingParams())
+                assert proposal.tokens == event.proposal.tokens, (n, before)
+        finally:
+            stack.close()

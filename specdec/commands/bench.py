@@ -17,11 +17,15 @@ from specdec.settings import add_settings, default
 
 COMPILE_AUTO, COMPILE_OFF = "auto", "off"
 
+DEFAULT_LOAD_MODES = ("target-only", "k=4", "adaptive")  # specdec.bench.load's, torch-free
+
 if TYPE_CHECKING:  # torch-heavy: imported when a command runs, not when the CLI parses
     from specdec.bench.harness import BenchResult
 
 # The draft runs eager in a quick run: compiling it took 51 s of a 173 s quick run with
 # an empty inductor cache (2 cores), for 1-2 % of a round (docs/performance.md).
+# `--concurrency --quick`: 8 prompts, 24 tokens (under 3 minutes on 2 cores).
+LOAD_QUICK = {"prompts_per_category": 2, "max_new_tokens": 24, "draft_compile": COMPILE_OFF}
 QUICK = {"modes": "greedy", "lengths": "2,4,adaptive,adaptive+a0", "prompts_per_category": 1,
          "repeats": 1, "max_new_tokens": 32, "calibration_repeats": 3, "warmup_tokens": 24,
          "draft_compile": COMPILE_OFF}
@@ -88,6 +92,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="measure nothing: write the summary, markdown and plots of an "
                         "earlier run's bench.json (or its directory) again with this "
                         "version's report code, into --out")
+    parser.add_argument("--concurrency", default=None, metavar="LEVELS",
+                        help="load test instead: closed-loop clients over GenerateStream at "
+                        "each of these concurrency levels, e.g. 1,2,4,8,16; writes load.json, "
+                        "load.md and load.png")
+    parser.add_argument("--load-modes", default=",".join(DEFAULT_LOAD_MODES),
+                        help="with --concurrency: the modes run at each level (target-only, "
+                        "k=N, adaptive)")
+    parser.add_argument("--endpoint", default="",
+                        help="with --concurrency: a running coordinator (host:port) instead "
+                        "of a stack started for the run")
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -207,7 +221,6 @@ def run(args: argparse.Namespace) -> int:
         paths = write_outputs(result, Path(args.out), command)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
-    settings = settings_from_args(args)
     # The services it starts inherit these: traces beside its report (unless told where),
     # metrics on any free ports, so a bench runs beside `specdec up`.
     own = {name: value for name, value in (
@@ -215,17 +228,20 @@ def run(args: argparse.Namespace) -> int:
         ("SPECDEC_METRICS_PORT", "0")) if not os.environ.get(name)}
     os.environ.update(own)
     try:
-        return _measure(args, settings)
+        return _measure(args)
     finally:
         for name in own:
             os.environ.pop(name, None)
 
 
-def _measure(args: argparse.Namespace, settings: Any) -> int:
+def _measure(args: argparse.Namespace) -> int:
     from specdec.bench.harness import run_bench, run_costs
 
     argv = sys.argv[1:]
     command = "specdec " + shlex.join(argv) if argv[:1] == ["bench"] else "specdec bench"
+    if args.concurrency:
+        return run_load_command(args, command)
+    settings = settings_from_args(args)
     if args.costs_only:
         path = write_costs(run_costs(settings), Path(args.out), command,  # type: ignore[arg-type]
                            args.torch_threads)
@@ -234,5 +250,61 @@ def _measure(args: argparse.Namespace, settings: Any) -> int:
     result = run_bench(settings)  # type: ignore[arg-type]
     paths = write_outputs(result, Path(args.out), command)
     print((Path(args.out) / "bench.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def run_load_command(args: argparse.Namespace, command: str) -> int:
+    """`specdec bench --concurrency ...`: the load test (specdec.bench.load)."""
+    import grpc
+
+    from specdec.bench.harness import machine_info
+    from specdec.bench.load import LoadPrompt, LoadSettings, run_load, write_outputs
+    from specdec.bench.prompts import chat_encoder, load_prompts, select
+    from specdec.models import load_tokenizer
+    from specdec.proto.specdec.v1 import coordinator_pb2_grpc
+
+    quick = LOAD_QUICK if args.quick else {}
+    levels = tuple(int(level) for level in _csv(args.concurrency))
+    per_category: int | None = (args.prompts_per_category
+                                if args.prompts_per_category is not None
+                                else quick.get("prompts_per_category"))  # type: ignore[assignment]
+    max_new_tokens = args.max_new_tokens or int(quick.get("max_new_tokens", 64))  # type: ignore[call-overload]
+    settings = LoadSettings(levels, _csv(args.load_modes), max_new_tokens=max_new_tokens,
+                            progress=not args.no_progress)
+    stack = None
+    endpoint = args.endpoint
+    if not endpoint:
+        from specdec.bench.harness import BenchSettings, ProcessStack
+
+        compile_setting = args.draft_compile or str(quick.get("draft_compile", COMPILE_AUTO))
+        stack = ProcessStack(BenchSettings(
+            target_model=args.target_model, draft_model=args.draft_model, dtype=args.dtype,
+            grpc_torch_threads=args.grpc_torch_threads, linear_kernel=args.linear_kernel,
+            attention_kernel=args.attention_kernel, draft_dtype=args.draft_dtype,
+            draft_linear_kernel=args.draft_linear_kernel, draft_compile=compile_setting))
+        print(f"starting the services (logs in {stack.log_dir})", file=sys.stderr)
+        endpoint = stack.stack.endpoint("coordinator")
+    try:
+        if stack is not None:
+            stack.wait()
+        chosen = select(load_prompts(), per_category)
+        try:
+            encode = chat_encoder(load_tokenizer(args.target_model))
+            prompts = [LoadPrompt(p.id, encode(p.text)) for p in chosen]
+        except (OSError, ValueError) as error:  # the coordinator applies its own template
+            print(f"no local tokenizer for {args.target_model} ({error}); sending the "
+                  "prompts as text", file=sys.stderr)
+            prompts = [LoadPrompt(p.id, [], p.text) for p in chosen]
+        with grpc.insecure_channel(endpoint) as channel:
+            report = run_load(coordinator_pb2_grpc.CoordinatorStub(channel), settings, prompts,
+                              meta={"machine": machine_info(), "endpoint": endpoint,
+                                    "target_model": args.target_model,
+                                    "draft_model": args.draft_model, "dtype": args.dtype})
+    finally:
+        if stack is not None:
+            stack.close()
+    paths = write_outputs(report, Path(args.out), command)
+    print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -116,6 +116,15 @@ class CoordinatorMetrics:
                                         ("role", "endpoint"))
         self.active_requests = Gauge("specdec_active_requests", "Requests being generated",
                                      registry=registry)
+        # Admission control (coordinator.admission) and load-aware speculation.
+        self.refused_requests = counter(
+            "refused_requests", "Requests answered RESOURCE_EXHAUSTED: the running and "
+            "queued limits were full")
+        self.queued_requests = Gauge("specdec_queued_requests",
+                                     "Requests waiting for a running slot", registry=registry)
+        self.load_limited_rounds = counter(
+            "load_limited_rounds", "Rounds that drafted fewer tokens than the session alone "
+            "would have, because other sessions shared the forward")
 
     def request(self) -> RequestRecorder:
         return RequestRecorder(self)

@@ -55,6 +55,22 @@ SOURCE = "specdec.round.source"
 EMITTED = "specdec.round.emitted"
 EMITTED_TOKEN_IDS = "specdec.round.emitted_token_ids"
 NEXT_TOKEN_KIND = "specdec.round.next_token_kind"  # "bonus", "correction" or "target"
+# The forward each call of the round ran in (BatchInfo; absent when the service does
+# not report it), and the load-aware policy's view of the load.
+PROPOSE_BATCH_SESSIONS = "specdec.round.propose_batch.sessions"
+PROPOSE_BATCH_ROWS = "specdec.round.propose_batch.rows"
+PROPOSE_QUEUE_WAIT_MS = "specdec.round.propose_batch.queue_wait_ms"
+VERIFY_BATCH_SESSIONS = "specdec.round.verify_batch.sessions"
+VERIFY_BATCH_ROWS = "specdec.round.verify_batch.rows"
+VERIFY_QUEUE_WAIT_MS = "specdec.round.verify_batch.queue_wait_ms"
+VERIFY_BATCH_QUEUED = "specdec.round.verify_batch.queued"
+LOAD_SESSIONS = "specdec.round.load.sessions"  # expected sharers of the forward, itself too
+LOAD_OTHER_ROWS = "specdec.round.load.other_rows"
+LOAD_RUNNING = "specdec.round.load.running"  # the coordinator's running generations
+# True when the load made the round draft fewer tokens than the session alone would
+# have (ALONE_LENGTH); a load-limited round with ASKED = 0 is speculation turned off.
+LOAD_LIMITED = "specdec.round.load_limited"
+ALONE_LENGTH = "specdec.round.alone_length"
 
 # Rejection event.
 REJECT_POSITION = "specdec.position"  # absolute position of the rejected token

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from opentelemetry import context, trace
@@ -22,11 +22,14 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from specdec.history import TokenHistory
-from specdec.interfaces import Drafter, Proposal, Verification, Verifier
+from specdec.interfaces import Drafter, ForwardBatch, Proposal, Verification, Verifier
 from specdec.loop import GenerateConfig, GenerationResult, RoundEvent
 from specdec.rejection import NO_ALTERNATIVES, Alternatives
 from specdec.sampling import SamplingParams
 from specdec.telemetry import names as n
+
+if TYPE_CHECKING:
+    from specdec.adaptive import AdaptiveLength
 
 
 def trace_id_hex(span: Span) -> str:
@@ -70,8 +73,40 @@ def round_attributes(event: RoundEvent, record_tokens: bool) -> dict[str, Attrib
     if proposal is not None:
         attributes[n.DRAFT_MS] = _ms(proposal.elapsed_s)
         attributes[n.DRAFT_FORWARD_MS] = _ms(proposal.forward_s)
+        attributes.update(propose_batch_attributes(proposal.batch))
     if record_tokens:
         attributes[n.EMITTED_TOKEN_IDS] = list(event.emitted)
+    return attributes
+
+
+def propose_batch_attributes(batch: ForwardBatch) -> dict[str, AttributeValue]:
+    """The forward a Propose ran in; nothing when the draft did not report it."""
+    if not batch.known:
+        return {}
+    return {n.PROPOSE_BATCH_SESSIONS: batch.sessions, n.PROPOSE_BATCH_ROWS: batch.rows,
+            n.PROPOSE_QUEUE_WAIT_MS: _ms(batch.queue_wait_s)}
+
+
+def verify_batch_attributes(batch: ForwardBatch) -> dict[str, AttributeValue]:
+    """The forward a Verify ran in; nothing when the target did not report it."""
+    if not batch.known:
+        return {}
+    return {n.VERIFY_BATCH_SESSIONS: batch.sessions, n.VERIFY_BATCH_ROWS: batch.rows,
+            n.VERIFY_QUEUE_WAIT_MS: _ms(batch.queue_wait_s),
+            n.VERIFY_BATCH_QUEUED: batch.queued}
+
+
+def load_attributes(policy: AdaptiveLength) -> dict[str, AttributeValue]:
+    """The load the adaptive policy chose this round's length under."""
+    attributes: dict[str, AttributeValue] = {
+        n.LOAD_SESSIONS: round(policy.load.sessions, 2),
+        n.LOAD_OTHER_ROWS: round(policy.load.other_rows, 1),
+        n.LOAD_LIMITED: policy.load_limited,
+    }
+    if policy.running is not None:
+        attributes[n.LOAD_RUNNING] = policy.running()
+    if policy.alone_choice is not None:
+        attributes[n.ALONE_LENGTH] = policy.alone_choice
     return attributes
 
 
@@ -192,6 +227,13 @@ class RequestTracer:
             self._round_token = context.attach(trace.set_span_in_context(self._round,
                                                                          self._context))
 
+    def annotate_round(self, attributes: Mapping[str, AttributeValue]) -> None:
+        """Add attributes to the round span (opening it if no call has yet)."""
+        if self._round is None:
+            self.begin_round(self._round_end_ns, make_current=False)
+        assert self._round is not None
+        self._round.set_attributes(attributes)
+
     def on_round(self, event: RoundEvent) -> None:
         if self._round is None:  # no wrapped drafter/verifier: the round began when the last ended
             self.begin_round(self._round_end_ns, make_current=False)
@@ -271,6 +313,8 @@ class _TracedVerifier:
                                      n.ACCEPTED: verification.accepted_len,
                                      n.COMMITTED_POSITION: len(committed)})
         self.owner._verify_end_ns = time.time_ns()
+        if self.owner._round is not None:
+            self.owner._round.set_attributes(verify_batch_attributes(verification.batch))
         return verification
 
     def release(self, session_id: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -107,6 +107,19 @@ class Telemetry:
         """A session was pinned to (or moved to) this draft or target replica."""
         if self.coordinator_metrics is not None:
             self.coordinator_metrics.replica_sessions.labels(role=role, endpoint=endpoint).inc()
+
+    def watch_queue(self, queued: Callable[[], int]) -> None:
+        """The specdec_queued_requests gauge reads `queued` at each scrape."""
+        if self.coordinator_metrics is not None:
+            self.coordinator_metrics.queued_requests.set_function(queued)
+
+    def record_refused_request(self) -> None:
+        if self.coordinator_metrics is not None:
+            self.coordinator_metrics.refused_requests.inc()
+
+    def record_load_limited_round(self) -> None:
+        if self.coordinator_metrics is not None:
+            self.coordinator_metrics.load_limited_rounds.inc()
 
     # -- draft / target --------------------------------------------------------------------
     def watch_runner(self, runner: Any) -> None:

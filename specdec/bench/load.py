@@ -1,0 +1,395 @@
+"""`specdec bench --concurrency 1,2,4,8,16`: closed-loop clients over the public gRPC API.
+
+At each concurrency level C, C client threads share a queue of requests (the committed
+prompt set, greedy) and each sends its next GenerateStream as soon as its last one ends.
+The modes (target-only, a fixed draft length, adaptive) run one after another within a
+level, so the machine's drift over the run falls on all of them alike.
+
+Measures, with the meanings of vLLM's `bench serve`:
+- output throughput: output tokens of the level's successful requests over the level's
+  wall time (first request sent to last answer); request throughput likewise.
+- TTFT: request sent to the first stream message carrying tokens.
+- TPOT: (end-to-end latency - TTFT) / (output tokens - 1), per request.
+- ITL: the gaps between successive token-carrying stream messages (a speculative round
+  sends several tokens in one message, so its ITL is a round's time, not a token's).
+- end-to-end latency: request sent to the last message.
+- errors by gRPC status code; RESOURCE_EXHAUSTED (over the coordinator's admission
+  limits) counts apart from the other failures.
+- mismatches: successful requests whose tokens differ from the serial (concurrency 1,
+  target-only) output for the same prompt; greedy decoding is exact, so this must be 0.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+TARGET_ONLY = "target-only"
+ADAPTIVE = "adaptive"
+DEFAULT_LOAD_MODES = (TARGET_ONLY, "k=4", ADAPTIVE)
+ADAPTIVE_START = 4  # the first round's length of an adaptive request
+OVER_CAPACITY = "RESOURCE_EXHAUSTED"
+
+
+@dataclass(frozen=True)
+class LoadMode:
+    name: str
+    num_draft_tokens: int
+    adaptive: bool = False
+
+
+def parse_load_mode(text: str) -> LoadMode:
+    """'target-only' (or '0'), 'adaptive', or a fixed length 'k=N' (or 'N')."""
+    name = text.strip()
+    if name in (TARGET_ONLY, "0", "k=0"):
+        return LoadMode(TARGET_ONLY, 0)
+    if name == ADAPTIVE:
+        return LoadMode(ADAPTIVE, ADAPTIVE_START, adaptive=True)
+    digits = name.removeprefix("k=")
+    if not digits.isdigit():
+        raise ValueError(f"unknown load mode {name!r}: use target-only, adaptive or k=N")
+    return LoadMode(f"k={int(digits)}", int(digits)) if int(digits) else LoadMode(TARGET_ONLY, 0)
+
+
+@dataclass(frozen=True)
+class LoadPrompt:
+    id: str
+    token_ids: list[int]  # empty: `text` goes as a chat prompt, tokenized by the coordinator
+    text: str = ""
+
+
+@dataclass
+class RequestRecord:
+    mode: str
+    concurrency: int
+    prompt_id: str
+    code: str  # "OK" or the gRPC status name
+    e2e_s: float
+    ttft_s: float | None = None
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class LevelRun:
+    mode: str
+    concurrency: int
+    wall_s: float
+    records: list[RequestRecord]
+
+
+def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
+                ) -> coordinator_pb2.GenerateRequest:
+    request = coordinator_pb2.GenerateRequest(
+        max_new_tokens=max_new_tokens,
+        speculation=coordinator_pb2.SpeculationParams(
+            num_draft_tokens=mode.num_draft_tokens, adaptive=mode.adaptive),
+        request_id=f"load-{mode.name}-{prompt.id}")
+    if prompt.token_ids:
+        request.prompt_token_ids.extend(prompt.token_ids)
+    else:
+        request.prompt, request.chat = prompt.text, True
+    return request
+
+
+def stream_one(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
+               prompt: LoadPrompt, concurrency: int, max_new_tokens: int,
+               timeout_s: float) -> RequestRecord:
+    """One GenerateStream, timed message by message."""
+    started = time.perf_counter()
+    record = RequestRecord(mode.name, concurrency, prompt.id, "OK", 0.0)
+    last: float | None = None
+    try:
+        for message in stub.GenerateStream(request_for(mode, prompt, max_new_tokens),
+                                           timeout=timeout_s):
+            now = time.perf_counter()
+            if message.token_ids:
+                if last is None:
+                    record.ttft_s = now - started
+                else:
+                    record.itl_s.append(now - last)
+                last = now
+                record.token_ids.extend(message.token_ids)
+            if message.finish_reason:
+                record.rounds = message.stats.rounds
+                record.draft_tokens = message.stats.draft_tokens
+                record.accepted_tokens = message.stats.accepted_tokens
+    except grpc.RpcError as error:
+        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+        record.code = code.name
+        record.error = (error.details() if isinstance(error, grpc.Call) else str(error)) or ""
+    record.e2e_s = time.perf_counter() - started
+    record.output_tokens = len(record.token_ids)
+    return record
+
+
+def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
+              concurrency: int, prompts: Sequence[LoadPrompt], requests: int,
+              max_new_tokens: int, timeout_s: float,
+              on_done: Callable[[RequestRecord], None] = lambda record: None) -> LevelRun:
+    """`requests` requests over the prompts in turn, from `concurrency` closed-loop clients."""
+    work: queue.Queue[LoadPrompt] = queue.Queue()
+    for index in range(requests):
+        work.put(prompts[index % len(prompts)])
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            try:
+                prompt = work.get_nowait()
+            except queue.Empty:
+                return
+            record = stream_one(stub, mode, prompt, concurrency, max_new_tokens, timeout_s)
+            with lock:
+                records.append(record)
+            on_done(record)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, name=f"load-client-{i}", daemon=True)
+               for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException:  # Ctrl-C: no client starts another request
+        while not work.empty():
+            work.get_nowait()
+        raise
+    return LevelRun(mode.name, concurrency, time.perf_counter() - started, records)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between order statistics; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000.0, 2)
+
+
+def summarise_level(run: LevelRun, serial: dict[str, list[int]]) -> dict[str, Any]:
+    ok = [r for r in run.records if r.code == "OK"]
+    errors = Counter(r.code for r in run.records if r.code != "OK")
+    output_tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok
+            if r.ttft_s is not None and r.output_tokens > 1]
+    itl = [gap for r in ok for gap in r.itl_s]
+    e2e = [r.e2e_s for r in ok]
+    compared = [r for r in ok if r.prompt_id in serial]
+    mismatches = sum(r.token_ids != serial[r.prompt_id] for r in compared)
+    rounds = sum(r.rounds for r in ok)
+    draft_tokens = sum(r.draft_tokens for r in ok)
+    return {
+        "mode": run.mode, "concurrency": run.concurrency, "requests": len(run.records),
+        "completed": len(ok), "wall_s": round(run.wall_s, 3),
+        "output_tokens": output_tokens,
+        "output_throughput": round(output_tokens / run.wall_s, 2) if run.wall_s > 0 else 0.0,
+        "request_throughput": round(len(ok) / run.wall_s, 3) if run.wall_s > 0 else 0.0,
+        "mean_ttft_ms": _ms(sum(ttft) / len(ttft)) if ttft else None,
+        "p50_ttft_ms": _ms(percentile(ttft, 50)), "p99_ttft_ms": _ms(percentile(ttft, 99)),
+        "mean_tpot_ms": _ms(sum(tpot) / len(tpot)) if tpot else None,
+        "p50_tpot_ms": _ms(percentile(tpot, 50)), "p99_tpot_ms": _ms(percentile(tpot, 99)),
+        "p50_itl_ms": _ms(percentile(itl, 50)), "p99_itl_ms": _ms(percentile(itl, 99)),
+        "p50_e2e_ms": _ms(percentile(e2e, 50)), "p99_e2e_ms": _ms(percentile(e2e, 99)),
+        "errors": dict(sorted(errors.items())),
+        "over_capacity": errors.get(OVER_CAPACITY, 0),
+        "failed": sum(count for code, count in errors.items() if code != OVER_CAPACITY),
+        "compared": len(compared), "mismatches": mismatches,
+        "draft_tokens_per_round": round(draft_tokens / rounds, 2) if rounds else 0.0,
+        "acceptance": round(sum(r.accepted_tokens for r in ok) / draft_tokens, 3)
+        if draft_tokens else None,
+    }
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    concurrency: tuple[int, ...]
+    modes: tuple[str, ...] = DEFAULT_LOAD_MODES
+    max_new_tokens: int = 64
+    # Requests per (level, mode): at least one per prompt and `min_rounds` per client.
+    min_rounds: int = 1
+    timeout_s: float = 600.0
+    warmup_tokens: int = 8
+    progress: bool = True
+
+
+def requests_at(level: int, prompts: int, min_rounds: int) -> int:
+    return max(prompts, level * min_rounds)
+
+
+def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
+             prompts: Sequence[LoadPrompt], *, meta: dict[str, Any] | None = None,
+             out: Any = None) -> dict[str, Any]:
+    """Every mode at every level (modes interleaved within a level); the report."""
+    out = out if out is not None else sys.stderr
+    modes = [parse_load_mode(name) for name in settings.modes]
+    levels = sorted(set(settings.concurrency))
+    if not levels or levels[0] < 1:
+        raise ValueError(f"concurrency levels must be positive integers, got {levels}")
+    target_only = LoadMode(TARGET_ONLY, 0)
+    plan = [(level, mode) for level in levels for mode in modes]
+    reference_in_plan = any(level == 1 and mode == target_only for level, mode in plan)
+    total = sum(requests_at(level, len(prompts), settings.min_rounds) for level, _ in plan)
+    if not reference_in_plan:
+        total += len(prompts)
+    done = 0
+    started = time.perf_counter()
+    interactive = bool(getattr(out, "isatty", lambda: False)()) and settings.progress
+
+    def progress(label: str, run_errors: int) -> Callable[[RequestRecord], None]:
+        def on_done(record: RequestRecord) -> None:
+            nonlocal done
+            done += 1
+            if settings.progress:
+                line = (f"[{done}/{total} requests, {time.perf_counter() - started:.0f} s] "
+                        f"{label}: last {record.code} in {record.e2e_s:.2f} s")
+                out.write(("\r" + line.ljust(78)) if interactive else line + "\n")
+                out.flush()
+        return on_done
+
+    if settings.warmup_tokens > 0:  # first calls load kernels and caches: not measured
+        for mode in modes:
+            stream_one(stub, mode, prompts[0], 1, settings.warmup_tokens, settings.timeout_s)
+    serial: dict[str, list[int]] = {}
+    runs: list[LevelRun] = []
+    if not reference_in_plan:  # the serial greedy outputs the others are compared with
+        reference = run_level(stub, target_only, 1, prompts, len(prompts),
+                              settings.max_new_tokens, settings.timeout_s,
+                              progress("serial reference", 0))
+        serial = {r.prompt_id: r.token_ids for r in reference.records if r.code == "OK"}
+    for level, mode in plan:
+        run = run_level(stub, mode, level, prompts,
+                        requests_at(level, len(prompts), settings.min_rounds),
+                        settings.max_new_tokens, settings.timeout_s,
+                        progress(f"{mode.name} c={level}", 0))
+        if level == 1 and mode == target_only:
+            serial = {r.prompt_id: r.token_ids for r in run.records if r.code == "OK"}
+        runs.append(run)
+    if interactive:
+        out.write("\n")
+    rows = [summarise_level(run, serial) for run in runs]
+    return {"settings": {**asdict(settings), "prompts": len(prompts)},
+            "meta": {**(meta or {}), "wall_s": round(time.perf_counter() - started, 1)},
+            "levels": rows,
+            "requests": [asdict(r) for run in runs for r in run.records]}
+
+
+# -- report ----------------------------------------------------------------------------
+COLUMNS = (("concurrency", "clients"), ("mode", "mode"), ("completed", "ok"),
+           ("output_throughput", "out tok/s"), ("request_throughput", "req/s"),
+           ("p50_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
+           ("mean_tpot_ms", "TPOT mean ms"), ("p50_itl_ms", "ITL p50 ms"),
+           ("p99_itl_ms", "ITL p99 ms"), ("p50_e2e_ms", "E2E p50 ms"),
+           ("p99_e2e_ms", "E2E p99 ms"), ("draft_tokens_per_round", "draft/round"),
+           ("acceptance", "accept"), ("over_capacity", "over capacity"),
+           ("failed", "failed"), ("mismatches", "mismatches"))
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def render_markdown(report: dict[str, Any], command: str) -> str:
+    settings, meta = report["settings"], report["meta"]
+    lines = ["# specdec bench --concurrency", "", f"- command: `{command}`",
+             f"- {settings['prompts']} prompts, greedy, {settings['max_new_tokens']} new tokens; "
+             f"modes {', '.join(settings['modes'])} interleaved at each level; closed-loop "
+             "clients over GenerateStream",
+             f"- wall time {meta.get('wall_s', 0)} s"]
+    if "machine" in meta:
+        machine = meta["machine"]
+        lines.append(f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, "
+                     "load average " + "/".join(f"{x:.1f}" for x in machine.get(
+                         "load_average", [])))
+    if "endpoint" in meta:
+        lines.append(f"- coordinator: {meta['endpoint']}")
+    lines += ["", "| " + " | ".join(title for _, title in COLUMNS) + " |",
+              "|" + "---|" * len(COLUMNS)]
+    for row in report["levels"]:
+        lines.append("| " + " | ".join(_cell(row[key]) for key, _ in COLUMNS) + " |")
+    errors = [(row["mode"], row["concurrency"], row["errors"]) for row in report["levels"]
+              if row["errors"]]
+    lines += ["", "Errors by status code: " + ("; ".join(
+        f"{mode} c={level}: " + ", ".join(f"{code} {count}" for code, count in codes.items())
+        for mode, level, codes in errors) if errors else "none") + ".", "",
+        "TTFT: request to its first tokens. TPOT: (latency - TTFT) / (tokens - 1). ITL: "
+        "gaps between stream messages (one per round). mismatches: outputs that differ "
+        "from the serial target-only output of the same prompt (must be 0).", ""]
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4.2))
+    modes = list(dict.fromkeys(row["mode"] for row in report["levels"]))
+    for index, mode in enumerate(modes):
+        rows = sorted((r for r in report["levels"] if r["mode"] == mode),
+                      key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        color = f"C{index}"
+        throughput.plot(xs, [r["output_throughput"] for r in rows], marker="o", color=color,
+                        label=mode)
+        latency.plot(xs, [r["p50_e2e_ms"] or float("nan") for r in rows], marker="o",
+                     color=color, label=f"{mode} p50")
+        latency.plot(xs, [r["p99_e2e_ms"] or float("nan") for r in rows], marker="x",
+                     linestyle="--", color=color, label=f"{mode} p99")
+    levels = sorted({row["concurrency"] for row in report["levels"]})
+    for ax in (throughput, latency):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(level) for level in levels])
+        ax.set_xlabel("concurrent clients")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    throughput.set_ylabel("output tokens / s (all clients)")
+    throughput.set_title("aggregate throughput")
+    latency.set_ylabel("end-to-end latency (ms)")
+    latency.set_title("request latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(report: dict[str, Any], out_dir: Path, command: str) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "load.json", "markdown": out_dir / "load.md",
+             "plot": out_dir / "load.png"}
+    paths["json"].write_text(json.dumps({**report, "command": command},
+                                        separators=(",", ":")))
+    paths["markdown"].write_text(render_markdown(report, command))
+    write_plot(report, paths["plot"])
+    return paths
