@@ -65,6 +65,7 @@ class CoordinatorSettings:
     target_timeout_s: float = 30.0  # per Verify, retries included, within the deadline
     draft_backoff_initial_s: float = 0.25
     draft_backoff_max_s: float = 5.0
+    max_prompt_tokens: int = 0  # SPECDEC_MAX_PROMPT_TOKENS; 0 = the target's context
 
 
 class Cancelled(Exception):
@@ -114,7 +115,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                              self.settings.max_new_tokens_limit, self.settings.max_draft_tokens,
                              self.settings.num_draft_tokens, self.settings.draft_confidence,
                              self.settings.num_alternatives,
-                             self.settings.prompt_lookup_tokens)
+                             self.settings.prompt_lookup_tokens,
+                             max_prompt_tokens=self.settings.max_prompt_tokens)
         # Checked here, so that a bad setting stops the coordinator at start.
         PromptLookup(target.vocab_size, 1, self.settings.prompt_lookup_min,
                      self.settings.prompt_lookup_max)

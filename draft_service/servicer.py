@@ -29,6 +29,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.telemetry = telemetry or Telemetry("draft")
         self.telemetry.watch_runner(runner)
         self.sessions = SessionTable(runner, session_ttl_s, executor=executor)
+        self.sessions.runner_role = "draft"
         self.max_draft_tokens = max_draft_tokens
 
     def service(self) -> Service:

@@ -33,6 +33,7 @@ import torch
 from specdec.grpc_server import ServerHandle, Service, build_server
 from specdec.models import LoadedModel, load_causal_lm, resolve
 from specdec.runner import ModelRunner
+from specdec.security import check_session_cap
 
 if TYPE_CHECKING:
     from specdec.telemetry.service import Telemetry
@@ -57,6 +58,8 @@ class SessionTable:
         self._thread: threading.Thread | None = None
         self._compute = executor or ThreadPoolExecutor(max_workers=1,
                                                        thread_name_prefix="compute")
+        self.max_sessions = 0  # SPECDEC_MAX_SESSIONS; 0 = no cap
+        self.runner_role = "model"  # names the service in the cap's message
 
     def call(self, session_id: str, work: Callable[[], T]) -> T:
         """Run work on the model's thread, after the session's earlier calls.
@@ -68,6 +71,8 @@ class SessionTable:
         after probabilities were decoded on worker threads; docs/benchmarks.md 4g).
         """
         with self._guard:
+            if session_id not in self._locks:
+                check_session_cap(len(self._locks), self.max_sessions, self.runner_role)
             lock = self._locks.setdefault(session_id, threading.Lock())
             self._last_used[session_id] = self._clock()
         with lock:
@@ -177,8 +182,13 @@ def start_model_server(servicer: ModelServicer, args: argparse.Namespace,
     """Serve a draft or target servicer: interceptors, session reaper, flush on stop."""
     if telemetry is not None:  # tracing outermost: its span covers the other interceptors
         interceptors = [*telemetry.server_interceptors(), *interceptors]
+    from specdec.security import SecuritySettings, server_options
+
+    secure = server_options(args, role="model")
     handle = build_server([servicer.service()], host=args.host, port=args.port,
-                          max_workers=args.max_workers, interceptors=interceptors)
+                          max_workers=args.max_workers,
+                          **{**secure, "interceptors": [*interceptors, *secure["interceptors"]]})
+    servicer.sessions.max_sessions = SecuritySettings.from_args(args).max_sessions
     servicer.sessions.start_reaper()
     handle.on_stop.append(servicer.sessions.close)
     if telemetry is not None:

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import grpc
+
 from specdec.grpc_server import wait_healthy
+from specdec.security import SecuritySettings, channel_credentials
 
 # The draft and target alternate on the same cores. Before forwards ran on one
 # compute thread per service, libgomp's default spin let an idle service's threads
@@ -47,6 +50,8 @@ class Stack:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
     _files: list[IO[bytes]] = field(default_factory=list)
+    # TLS towards the children when their SPECDEC_TLS_* settings ask for it (health checks)
+    credentials: grpc.ChannelCredentials | None = None
 
     def endpoint(self, role: str) -> str:
         return f"{self.host}:{self.ports[role]}"
@@ -60,7 +65,8 @@ class Stack:
         for role in roles:
             proc = self.processes[role]
             ok = wait_healthy(self.endpoint(role), max(0.0, deadline - time.monotonic()),
-                              alive=functools.partial(_alive, proc))
+                              alive=functools.partial(_alive, proc),
+                              credentials=self.credentials)
             if not ok:
                 where = f"; log: {self.logs[role]}" if role in self.logs else ""
                 state = ("exited with " + str(proc.returncode)) if proc.poll() is not None \
@@ -109,6 +115,7 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
         ports[role] = ports.get(role) or free_port(host)
     stack = Stack(host, ports)
     child_env = {**SERVICE_THREAD_ENV, **os.environ, **(env or {})}
+    stack.credentials = channel_credentials(SecuritySettings.from_environ(child_env))
     for role in ("target", "draft", "coordinator"):
         if role == "draft" and draft_after_target_s > 0:
             try:

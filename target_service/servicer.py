@@ -30,6 +30,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.telemetry = telemetry or Telemetry("target")
         self.telemetry.watch_runner(runner)
         self.sessions = SessionTable(runner, session_ttl_s, executor=executor)
+        self.sessions.runner_role = "target"
         self.max_draft_tokens = max_draft_tokens
 
     def service(self) -> Service:

@@ -14,6 +14,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text through the coordinator")
     parser.add_argument("prompt", help="prompt text")
     add_setting(parser, "--endpoint", "127.0.0.1:50051", "the coordinator")
+    add_setting(parser, "--tls-ca-file", "",
+                "PEM CA that signed the coordinator's certificate: call it over TLS "
+                "(empty = plaintext)")
+    add_setting(parser, "--api-key", "", "API key sent as 'authorization: Bearer <key>'")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -69,19 +73,19 @@ def build_request(prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
 
 
 def call(endpoint: str, request: Any, *, stream: bool, timeout_s: float,
-         echo: Any = None) -> Any:
+         echo: Any = None, tls_ca_file: str = "", api_key: str = "") -> Any:
     """Run the request; with stream, pass each text piece to echo(text) as it arrives.
     Returns one GenerateResponse (stream pieces merged)."""
-    import grpc
-
     from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from specdec.security import bearer, public_channel
 
-    with grpc.insecure_channel(endpoint) as channel:
+    metadata = bearer(api_key)
+    with public_channel(endpoint, ca_file=tls_ca_file) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         if not stream:
-            return stub.Generate(request, timeout=timeout_s)
+            return stub.Generate(request, timeout=timeout_s, metadata=metadata)
         merged = coordinator_pb2.GenerateResponse()
-        for piece in stub.GenerateStream(request, timeout=timeout_s):
+        for piece in stub.GenerateStream(request, timeout=timeout_s, metadata=metadata):
             if echo is not None and piece.text:
                 echo(piece.text)
             merged.text += piece.text
@@ -147,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     echo = None if args.json else (lambda text: print(text, end="", flush=True))
     try:
         response = call(args.endpoint, request, stream=args.stream, timeout_s=args.timeout_s,
-                        echo=echo)
+                        echo=echo, tls_ca_file=args.tls_ca_file, api_key=args.api_key)
     except grpc.RpcError as error:
         print(f"specdec generate: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1

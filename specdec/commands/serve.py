@@ -8,6 +8,7 @@ import importlib
 from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE
 from specdec.config import add_model_settings, add_setting
 from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from specdec.security import add_security_settings
 from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.settings import add_telemetry_settings
 
@@ -65,6 +66,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_setting(parser, "--target-endpoint", f"127.0.0.1:{DEFAULT_PORTS['target']}",
                 f"coordinator: the target replicas, {replicas}")
     add_service_settings(parser)
+    # Not in add_service_settings: `up` hands them over in the environment, and one
+    # --health-port cannot serve all three.
+    add_security_settings(parser)
     # Not in add_service_settings: `up` must not hand one metrics port to all three.
     add_telemetry_settings(parser)
 
