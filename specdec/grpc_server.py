@@ -84,7 +84,9 @@ def build_server(services: Sequence[Service], *, host: str = "127.0.0.1", port: 
     TLS); it reports what the main port's health service reports."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=list(interceptors),
+        # Outermost: it parses each request with the deserializer the inner ones keep,
+        # so they all see messages, and a malformed one ends INVALID_ARGUMENT first.
+        interceptors=[ParseRequests(), *interceptors],
         # No SO_REUSEPORT: a second server on a busy port must fail, not share traffic.
         options=[*message_options(max_message_bytes), ("grpc.so_reuseport", 0), *options])
     for service in services:
@@ -119,6 +121,35 @@ def build_server(services: Sequence[Service], *, host: str = "127.0.0.1", port: 
 
         handle.on_stop.append(stop_probes)
     return handle
+
+
+class ParseRequests(grpc.ServerInterceptor):
+    """Parse unary requests in the handler instead of in gRPC: gRPC answers a request it
+    cannot deserialize with INTERNAL, which blames the server for the caller's bytes;
+    here a malformed message gets INVALID_ARGUMENT naming its type."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None or not (
+                handler.unary_unary or handler.unary_stream):
+            return handler
+        parse = handler.request_deserializer
+        unary = handler.unary_unary is not None
+        inner = handler.unary_unary if unary else handler.unary_stream
+
+        def parsed(data: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                request = parse(data)
+            except Exception as error:  # noqa: BLE001 - DecodeError, or a type's own check
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the request is not a valid message for {details.method}: "
+                              f"{type(error).__name__}: {error}")
+            return inner(request, context)
+
+        wrap = (grpc.unary_unary_rpc_method_handler if unary
+                else grpc.unary_stream_rpc_method_handler)
+        return wrap(parsed, request_deserializer=None,
+                    response_serializer=handler.response_serializer)
 
 
 def _bind_address(host: str, port: int) -> str:
