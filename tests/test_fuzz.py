@@ -34,7 +34,6 @@ from specdec.grpc_server import ServerHandle, build_server
 from specdec.proto.specdec.v1 import (
     common_pb2,
     coordinator_pb2,
-    coordinator_pb2_grpc,
     draft_pb2,
     target_pb2,
 )
@@ -81,17 +80,21 @@ def stack(tokenizer: Any) -> Iterator[tuple[Services, ServerHandle]]:
     services.close()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report() -> Iterator[None]:
-    yield
+def write_report() -> None:
     path = os.environ.get("SPECDEC_FUZZ_REPORT")
-    totals = {name: dict(counter) for name, counter in sorted(COUNTS.items())}
-    print("\nfuzz status counts:", json.dumps(totals, indent=1))
     if path:
+        totals = {name: dict(counter) for name, counter in sorted(COUNTS.items())}
         with open(path, "w") as handle:
             json.dump({"examples_per_type": EXAMPLES, "counts": totals,
                        "messages": sum(sum(c.values()) for c in COUNTS.values())}, handle,
                       indent=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report() -> Iterator[None]:
+    yield
+    totals = {name: dict(counter) for name, counter in sorted(COUNTS.items())}
+    print("\nfuzz status counts:", json.dumps(totals, indent=1))
 
 
 GOOD = coordinator_pb2.GenerateRequest(prompt_token_ids=[1, 5, 7, 3], max_new_tokens=8)
@@ -106,6 +109,7 @@ def good_output(stack: tuple[Services, ServerHandle]) -> list[int]:
 def still_served(stack: tuple[Services, ServerHandle], good_output: list[int]) -> Iterator[None]:
     """After each batch: servers alive, and a well-formed generation unchanged."""
     yield
+    write_report()
     services, feature = stack
     assert list(services.stub.Generate(GOOD, timeout=CALL_TIMEOUT_S).token_ids) == good_output
     streamed = [t for piece in services.stub.GenerateStream(GOOD, timeout=CALL_TIMEOUT_S)
