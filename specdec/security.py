@@ -85,8 +85,10 @@ class SecuritySettings:
 
     @property
     def internal_tls(self) -> bool:
-        """Whether the coordinator's channels to draft and target use TLS."""
-        return bool(self.tls_ca_file or self.tls_client_cert_file)
+        """Whether the coordinator's channels to draft and target use TLS: with a CA or a
+        client certificate, or when this process serves TLS itself (one set of settings
+        for all three, as `specdec up` and the Kubernetes component give)."""
+        return bool(self.tls_ca_file or self.tls_client_cert_file or self.tls_cert_file)
 
     @property
     def max_message_bytes(self) -> int:
@@ -223,9 +225,9 @@ def public_channel(endpoint: str, *, ca_file: str = "", tls: bool | None = None,
     return grpc.insecure_channel(endpoint, options=opts)
 
 
-def bearer(api_key: str) -> list[tuple[str, str]]:
-    """Call metadata carrying an API key ([] without one)."""
-    return [("authorization", f"Bearer {api_key}")] if api_key else []
+def bearer(api_key: str) -> tuple[tuple[str, str | bytes], ...]:
+    """Call metadata carrying an API key (empty without one)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
 # -- API keys ------------------------------------------------------------------------
