@@ -411,3 +411,19 @@ def test_public_channel_helper_speaks_tls(stack, pki) -> None:
     with public_channel(stack.coordinator.address, ca_file=str(pki["ca.crt"])) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         assert stub.Generate(request(3), timeout=60, metadata=bearer(KEY)).token_ids
+
+
+def test_settings_from_environment_and_incomplete_tls(pki) -> None:
+    settings = SecuritySettings.from_environ({
+        "SPECDEC_TLS_CERT_FILE": str(pki["server.crt"]), "SPECDEC_MAX_SESSIONS": "7",
+        "SPECDEC_REFLECTION": "off"})
+    assert settings.tls_cert_file == str(pki["server.crt"]) and settings.max_sessions == 7
+    assert settings.reflection == "off" and settings.internal_tls
+    assert SecuritySettings.from_environ({}) == SecuritySettings()
+    with pytest.raises(ValueError, match="--tls-key-file"):
+        server_options(settings, role="model")
+    with pytest.raises(ValueError, match="mutual TLS"):
+        server_options(SecuritySettings(tls_ca_file=str(pki["ca.crt"])), role="model")
+    with pytest.raises(ValueError, match="cannot read TLS (key|cert)"):
+        server_options(SecuritySettings(tls_cert_file="/nonexistent.crt",
+                                        tls_key_file="/nonexistent.key"), role="model")
