@@ -81,8 +81,13 @@ class SessionTable:
                 return self._compute.submit(contextvars.copy_context().run, work).result()
             finally:
                 with self._guard:
-                    if session_id in self._locks:
+                    released = session_id not in self._locks
+                    if not released:
                         self._last_used[session_id] = self._clock()
+                if released:
+                    # Released while this call ran (the caller gave up on it): the work
+                    # may have built the cache again, which no TTL would ever reclaim.
+                    self.runner.release(session_id)
 
     def release(self, session_id: str) -> bool:
         with self._guard:

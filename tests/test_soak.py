@@ -45,3 +45,35 @@ def test_one_minute_soak_with_replica_kills(tiny_pair: tuple[Path, Path],
     assert report["held_after_ttl"]["kv_bytes"] == 0
     assert report["requests"].get("cancel", 0) + report["requests"].get("deadline", 0) > 0
     assert report["ok"] is True and result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_session_released_mid_call_leaves_no_cache() -> None:
+    # What the soak found: a Release (the coordinator giving up on a request) that lands
+    # while the session's call still runs; the call then builds the cache again, and
+    # with the session gone from the table no TTL would ever reclaim it.
+    import threading
+
+    from tiny_models import tiny_llama
+
+    from specdec.model_service import SessionTable
+    from specdec.runner import ModelRunner
+
+    runner = ModelRunner(tiny_llama(32))
+    table = SessionTable(runner)
+    started, proceed = threading.Event(), threading.Event()
+
+    def work() -> object:
+        started.set()
+        proceed.wait(10)
+        return runner.extend("s", 0, 0, [1, 2, 3])
+
+    call = threading.Thread(target=table.call, args=("s", work))
+    call.start()
+    assert started.wait(10)
+    table.release("s")
+    proceed.set()
+    call.join(10)
+    try:
+        assert runner.active_sessions == 0 and runner.total_kv_bytes() == 0
+    finally:
+        table.close()
