@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -28,7 +28,7 @@ import torch
 from coordinator.routing import ChannelClosed, FixedRoute, Route
 from specdec import wire
 from specdec.errors import InvalidRequest, ServiceUnavailable
-from specdec.grpc_server import MESSAGE_OPTIONS
+from specdec.grpc_server import MESSAGE_OPTIONS, check_health
 from specdec.grpc_status import from_rpc_error
 from specdec.history import TokenHistory
 from specdec.interfaces import (
@@ -73,8 +73,15 @@ class ChannelPool:
     `wrap` is the seam for client interceptors (e.g. trace propagation).
     """
 
-    def __init__(self, wrap: Callable[[grpc.Channel], grpc.Channel] | None = None) -> None:
+    def __init__(self, wrap: Callable[[grpc.Channel], grpc.Channel] | None = None, *,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        """credentials: TLS towards the services (specdec.security.channel_credentials);
+        options: channel options that replace CHANNEL_OPTIONS' of the same name."""
         self._wrap = wrap
+        self._credentials = credentials
+        named = {name for name, _ in options}
+        self._options = [*(o for o in CHANNEL_OPTIONS if o[0] not in named), *options]
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[tuple[str, Callable[[grpc.Channel], Any]], Any] = {}
         self._lock = threading.Lock()
@@ -99,11 +106,17 @@ class ChannelPool:
     def _get(self, endpoint: str) -> grpc.Channel:
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            channel = (grpc.secure_channel(endpoint, self._credentials, options=self._options)
+                       if self._credentials is not None
+                       else grpc.insecure_channel(endpoint, options=self._options))
             if self._wrap is not None:
                 channel = self._wrap(channel)
             self._channels[endpoint] = channel
         return channel
+
+    def check_health(self, endpoint: str) -> bool:
+        """One health check of a replica, with this pool's credentials."""
+        return check_health(endpoint, credentials=self._credentials, options=self._options)
 
     def retain(self, endpoints: Iterable[str]) -> None:
         """Close the channels of endpoints not listed: replicas that left discovery."""

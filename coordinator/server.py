@@ -5,15 +5,22 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
 from coordinator.clients import ChannelPool
 from coordinator.endpoints import ReplicaEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
-from specdec.grpc_server import ServerHandle, build_server, check_health
+from specdec.grpc_server import ServerHandle, build_server
 from specdec.model_service import model_info
 from specdec.models import load_tokenizer
+from specdec.security import (
+    SecuritySettings,
+    channel_credentials,
+    channel_options,
+    server_options,
+)
 from specdec.settings import DEFAULT_PORTS
 from specdec.telemetry.service import Telemetry
 from specdec.tokenizer_check import check_pair
@@ -28,6 +35,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         max_new_tokens_limit=args.max_new_tokens_limit,
+        max_prompt_tokens=getattr(args, "max_prompt_tokens", 0),
         draft_timeout_s=args.draft_timeout_ms / 1000, target_timeout_s=args.target_timeout_s,
         max_concurrent_requests=args.max_concurrent_requests,
         max_queued_requests=args.max_queued_requests)
@@ -40,7 +48,7 @@ def replica_endpoints(args: argparse.Namespace, channels: ChannelPool) -> Replic
         args.target_endpoint, draft,
         default_ports=(DEFAULT_PORTS["target"], DEFAULT_PORTS["draft"]),
         # A replica marked down returns as soon as it answers a health check.
-        health_check=check_health, on_replicas=channels.retain)
+        health_check=channels.check_health, on_replicas=channels.retain)
 
 
 def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
@@ -64,15 +72,20 @@ def create_with_endpoints(
     if args.draft_endpoint.lower() not in ("", "none"):
         check_pair(args.target_model, args.draft_model, tokenizer, target.vocab_size)
     # Client interceptor: Propose/Verify carry the trace context to the services.
-    channels = ChannelPool(wrap=telemetry.intercept_channel if telemetry else None)
+    security = SecuritySettings.from_args(args)
+    channels = ChannelPool(wrap=telemetry.intercept_channel if telemetry else None,
+                           credentials=channel_credentials(security),
+                           options=channel_options(security))
     endpoints = replica_endpoints(args, channels)
     servicer = CoordinatorServicer(
         target, endpoints, settings=settings_from_args(args), tokenizer=tokenizer,
         channels=channels, telemetry=telemetry)
     if telemetry is not None:  # tracing outermost: its span covers the other interceptors
         interceptors = [*telemetry.server_interceptors(), *interceptors]
-    handle = build_coordinator_server(servicer, host=args.host, port=args.port,
-                                      max_workers=args.max_workers, interceptors=interceptors)
+    secure = server_options(args, role="coordinator")
+    handle = build_coordinator_server(
+        servicer, host=args.host, port=args.port, max_workers=args.max_workers,
+        **{**secure, "interceptors": [*interceptors, *secure["interceptors"]]})
     handle.on_stop.append(endpoints.close)  # stop discovery before closing its channels
     handle.on_stop.append(channels.close)
     if telemetry is not None:
@@ -82,8 +95,8 @@ def create_with_endpoints(
 
 def build_coordinator_server(servicer: CoordinatorServicer, *, host: str = "127.0.0.1",
                              port: int = 0, max_workers: int = 0,
-                             interceptors: Sequence[grpc.ServerInterceptor] = ()
-                             ) -> ServerHandle:
+                             interceptors: Sequence[grpc.ServerInterceptor] = (),
+                             **server_options: Any) -> ServerHandle:
     """The coordinator's gRPC server, its thread pool sized for its admission limits.
 
     A synchronous server: the Drafter/Verifier clients and the loop are blocking code,
@@ -96,4 +109,5 @@ def build_coordinator_server(servicer: CoordinatorServicer, *, host: str = "127.
     """
     workers = max(max_workers, servicer.admission.threads_needed())
     return build_server([servicer.service()], host=host, port=port, max_workers=workers,
-                        interceptors=interceptors, maximum_concurrent_rpcs=workers)
+                        interceptors=interceptors, maximum_concurrent_rpcs=workers,
+                        **server_options)

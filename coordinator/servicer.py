@@ -79,6 +79,7 @@ class CoordinatorSettings:
     draft_backoff_max_s: float = 5.0
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS  # generations running
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS  # waiting for a running slot
+    max_prompt_tokens: int = 0  # SPECDEC_MAX_PROMPT_TOKENS; 0 = the target's context
 
 
 class Cancelled(Exception):
@@ -123,7 +124,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                              self.settings.max_new_tokens_limit, self.settings.max_draft_tokens,
                              self.settings.num_draft_tokens, self.settings.draft_confidence,
                              self.settings.num_alternatives,
-                             self.settings.prompt_lookup_tokens)
+                             self.settings.prompt_lookup_tokens,
+                             max_prompt_tokens=self.settings.max_prompt_tokens)
         self.admission = Admission(self.settings.max_concurrent_requests,
                                    self.settings.max_queued_requests)
         self.telemetry.watch_queue(lambda: self.admission.counts().queued)

@@ -24,6 +24,7 @@ class Limits:
     default_draft_confidence: float = 0.0  # adaptive requests that do not set their own
     default_alternatives: int = 0  # greedy requests that do not set their own
     default_lookup_tokens: int = 0  # requests that do not set their own
+    max_prompt_tokens: int = 0  # SPECDEC_MAX_PROMPT_TOKENS; 0 = the target's context
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,9 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
     if has_text and not prompt_ids:
         raise InvalidRequest("prompt tokenizes to no tokens")
     wire.check_token_ids(prompt_ids, limits.vocab_size, field)
+    if limits.max_prompt_tokens and len(prompt_ids) > limits.max_prompt_tokens:
+        raise InvalidRequest(f"{field} is {len(prompt_ids)} tokens long; this server accepts "
+                             f"at most {limits.max_prompt_tokens} (SPECDEC_MAX_PROMPT_TOKENS)")
     if len(prompt_ids) >= limits.max_context:
         raise InvalidRequest(f"{field} is {len(prompt_ids)} tokens long; the target's context "
                              f"is {limits.max_context} tokens")

@@ -34,6 +34,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self.telemetry.watch_runner(runner)
         self.sessions = SessionTable(runner, session_ttl_s, executor=executor, limits=limits)
         self.telemetry.watch_scheduler(self.sessions.scheduler)
+        self.sessions.runner_role = "draft"
         self.max_draft_tokens = max_draft_tokens
 
     def service(self) -> Service:

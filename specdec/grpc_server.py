@@ -16,20 +16,21 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection as reflection_service
 
 from specdec.compute import MainThreadExecutor
+from specdec.security import DEFAULT_MAX_MESSAGE_MB, message_options, warn_if_exposed
 from specdec.settings import default
 
 log = logging.getLogger(__name__)
 
-# q for a long draft over a 49k vocabulary is a few MB; gRPC's default cap is 4 MB.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-MESSAGE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+# gRPC's own default cap is 4 MB, below q of a long draft over a large vocabulary.
+MAX_MESSAGE_BYTES = DEFAULT_MAX_MESSAGE_MB * 1024 * 1024
+MESSAGE_OPTIONS = message_options(MAX_MESSAGE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -72,36 +73,104 @@ def build_server(services: Sequence[Service], *, host: str = "127.0.0.1", port: 
                  max_workers: int = default("max-workers"),
                  interceptors: Sequence[grpc.ServerInterceptor] = (),
                  options: Sequence[tuple[str, object]] = (),
+                 credentials: grpc.ServerCredentials | None = None,
+                 client_auth: bool = False, reflection: bool = True,
+                 health_port: int | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
                  maximum_concurrent_rpcs: int | None = None) -> ServerHandle:
     """Create, bind and start a server; port 0 picks a free port (see handle.address).
 
+    credentials: TLS (specdec.security.server_credentials; client_auth says whether they
+    require client certificates), None = plaintext. health_port: also serve the health
+    service alone, in plaintext, on that port of the same host (probes that cannot speak
+    TLS); it reports what the main port's health service reports.
     maximum_concurrent_rpcs: calls beyond it are answered RESOURCE_EXHAUSTED by gRPC
     itself instead of waiting, unbounded, for a thread (None: no limit)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=list(interceptors), maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+        # Outermost: it parses each request with the deserializer the inner ones keep,
+        # so they all see messages, and a malformed one ends INVALID_ARGUMENT first.
+        interceptors=[ParseRequests(), *interceptors],
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         # No SO_REUSEPORT: a second server on a busy port must fail, not share traffic.
-        options=[*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0), *options])
+        options=[*message_options(max_message_bytes), ("grpc.so_reuseport", 0), *options])
     for service in services:
         service.register(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [service.name for service in services]
-    reflection.enable_server_reflection(
-        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(bind)
-    except RuntimeError as error:
-        raise RuntimeError(f"cannot listen on {bind}: {error}") from None
-    if not bound:
-        raise RuntimeError(f"cannot listen on {bind}")
+    if reflection:
+        reflection_service.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection_service.SERVICE_NAME], server)
+    bind = _bind_address(host, port)
+    bound = _add_port(server, bind, credentials)
+    probes: grpc.Server | None = None
+    if health_port is not None:
+        probes = grpc.server(futures.ThreadPoolExecutor(max_workers=2,
+                                                        thread_name_prefix="grpc-health"),
+                             options=[*message_options(64 * 1024), ("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, probes)
+        _add_port(probes, _bind_address(host, health_port), None)
+        probes.start()
     server.start()
     for name in ("", *names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = bind.rsplit(":", 1)[0] + f":{bound}"
-    log.info("serving %s on %s", ", ".join(names), address)
-    return ServerHandle(server, address, health_servicer, names)
+    warn_if_exposed(host, bound, names, tls=credentials is not None, client_auth=client_auth)
+    log.info("serving %s on %s%s", ", ".join(names), address,
+             " (TLS)" if credentials is not None else "")
+    handle = ServerHandle(server, address, health_servicer, names)
+    if probes is not None:
+        def stop_probes() -> None:
+            probes.stop(0).wait()
+
+        handle.on_stop.append(stop_probes)
+    return handle
+
+
+class ParseRequests(grpc.ServerInterceptor):
+    """Parse unary requests in the handler instead of in gRPC: gRPC answers a request it
+    cannot deserialize with INTERNAL, which blames the server for the caller's bytes;
+    here a malformed message gets INVALID_ARGUMENT naming its type."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None or not (
+                handler.unary_unary or handler.unary_stream):
+            return handler
+        parse = handler.request_deserializer
+        unary = handler.unary_unary is not None
+        inner = handler.unary_unary if unary else handler.unary_stream
+
+        def parsed(data: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                request = parse(data)
+            except Exception as error:  # noqa: BLE001 - DecodeError, or a type's own check
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"the request is not a valid message for {details.method}: "
+                              f"{type(error).__name__}: {error}")
+            return inner(request, context)
+
+        wrap = (grpc.unary_unary_rpc_method_handler if unary
+                else grpc.unary_stream_rpc_method_handler)
+        return wrap(parsed, request_deserializer=None,
+                    response_serializer=handler.response_serializer)
+
+
+def _bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _add_port(server: grpc.Server, bind: str,
+              credentials: grpc.ServerCredentials | None) -> int:
+    try:
+        bound = (server.add_secure_port(bind, credentials) if credentials is not None
+                 else server.add_insecure_port(bind))
+    except RuntimeError as error:
+        raise RuntimeError(f"cannot listen on {bind}: {error}") from None
+    if not bound:
+        raise RuntimeError(f"cannot listen on {bind}")
+    return int(bound)
 
 
 def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0,
@@ -129,9 +198,14 @@ def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0,
             signal.signal(sig, handler)
 
 
-def check_health(endpoint: str, service: str = "", timeout_s: float = 1.0) -> bool:
-    """One grpc.health.v1 Check; False on any failure."""
-    with grpc.insecure_channel(endpoint) as channel:
+def check_health(endpoint: str, service: str = "", timeout_s: float = 1.0,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> bool:
+    """One grpc.health.v1 Check (over TLS with credentials); False on any failure."""
+    channel = (grpc.secure_channel(endpoint, credentials, options=list(options))
+               if credentials is not None else
+               grpc.insecure_channel(endpoint, options=list(options)))
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -141,11 +215,12 @@ def check_health(endpoint: str, service: str = "", timeout_s: float = 1.0) -> bo
 
 
 def wait_healthy(endpoint: str, timeout_s: float, service: str = "",
-                 alive: Callable[[], bool] = lambda: True) -> bool:
+                 alive: Callable[[], bool] = lambda: True,
+                 credentials: grpc.ChannelCredentials | None = None) -> bool:
     """Poll health until SERVING, the deadline passes, or alive() says the process died."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and alive():
-        if check_health(endpoint, service):
+        if check_health(endpoint, service, credentials=credentials):
             return True
         time.sleep(0.2)
     return False

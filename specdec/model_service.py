@@ -49,6 +49,7 @@ from specdec.grpc_server import ServerHandle, Service, build_server
 from specdec.models import LoadedModel, load_causal_lm, resolve
 from specdec.proto.specdec.v1 import common_pb2
 from specdec.runner import ModelRunner
+from specdec.security import check_session_cap
 from specdec.settings import default
 from specdec.steps import Job, step_jobs
 
@@ -330,12 +331,16 @@ class SessionTable:
                                                        thread_name_prefix="compute")
         self.scheduler = BatchScheduler(runner, self._compute, limits or BatchLimits(),
                                         self.release)
+        self.max_sessions = 0  # SPECDEC_MAX_SESSIONS; 0 = no cap
+        self.runner_role = "model"  # names the service in the cap's message
 
     def call(self, session_id: str, make_job: Callable[[], J], finish: Callable[[J], T],
              context: grpc.ServicerContext | None = None) -> tuple[T, BatchInfo]:
         """Run a call's job in the scheduler's shared forwards, after the session's
         earlier calls (see BatchScheduler.submit)."""
         with self._guard:
+            if session_id not in self._locks:
+                check_session_cap(len(self._locks), self.max_sessions, self.runner_role)
             lock = self._locks.setdefault(session_id, threading.Lock())
             self._last_used[session_id] = self._clock()
         with lock:
@@ -343,8 +348,13 @@ class SessionTable:
                 return self.scheduler.submit(session_id, make_job, finish, context)
             finally:
                 with self._guard:
-                    if session_id in self._locks:
+                    released = session_id not in self._locks
+                    if not released:
                         self._last_used[session_id] = self._clock()
+                if released:
+                    # Released while this call ran (the caller gave up on it): the work
+                    # may have built the cache again, which no TTL would ever reclaim.
+                    self.runner.release(session_id)
 
     def release(self, session_id: str) -> bool:
         with self._guard:
@@ -445,8 +455,13 @@ def start_model_server(servicer: ModelServicer, args: argparse.Namespace,
     """Serve a draft or target servicer: interceptors, session reaper, flush on stop."""
     if telemetry is not None:  # tracing outermost: its span covers the other interceptors
         interceptors = [*telemetry.server_interceptors(), *interceptors]
+    from specdec.security import SecuritySettings, server_options
+
+    secure = server_options(args, role="model")
     handle = build_server([servicer.service()], host=args.host, port=args.port,
-                          max_workers=args.max_workers, interceptors=interceptors)
+                          max_workers=args.max_workers,
+                          **{**secure, "interceptors": [*interceptors, *secure["interceptors"]]})
+    servicer.sessions.max_sessions = SecuritySettings.from_args(args).max_sessions
     servicer.sessions.start_reaper()
     handle.on_stop.append(servicer.sessions.close)
     if telemetry is not None:

@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import grpc
+
+from specdec.security import SecuritySettings, channel_credentials
+
 # The draft and target alternate on the same cores: OpenMP threads wait passively with a
 # short spin, which covers the gaps inside one forward without an idle service's threads
 # spinning against the busy one's.
@@ -137,6 +141,8 @@ class Stack:
     logs: dict[str, Path] = field(default_factory=dict)
     ready_dir: Path | None = None
     _files: list[IO[bytes]] = field(default_factory=list)
+    # TLS towards the children when their SPECDEC_TLS_* settings ask for it (health checks)
+    credentials: grpc.ChannelCredentials | None = None
 
     def endpoint(self, role: str) -> str:
         return f"{self.host}:{self.ports[role]}"
@@ -158,7 +164,7 @@ class Stack:
                 return False
         from specdec.grpc_server import check_health
 
-        return check_health(self.endpoint(role))
+        return check_health(self.endpoint(role), credentials=self.credentials)
 
     def failure(self, role: str) -> str:
         """One line: why a child is not serving (its exit and its log's last error)."""
@@ -237,6 +243,7 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     child_env = {**SERVICE_THREAD_ENV, **os.environ, **(env or {}),
                  PARENT_PID_ENV: str(os.getpid())}
     group = 0  # the first child starts the group, the others join it
+    stack.credentials = channel_credentials(SecuritySettings.from_environ(child_env))
     for role in ("target", "draft", "coordinator"):
         if role == "draft" and draft_after_target_s > 0:
             try:

@@ -20,7 +20,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
-OVERLAYS = ["cpu", "gpu"]
+OVERLAYS = ["cpu", "gpu", "secure"]
+HEALTH_PORT = 50060  # SPECDEC_HEALTH_PORT: plaintext health only, for the probes
 # The newest schema set that kubernetes-validate 1.37 ships (it has 1.26 to 1.37).
 K8S_VERSION = "1.37.0"
 PORTS = {"coordinator": (50051, 9464), "draft": (50052, 9465), "target": (50053, 9466)}
@@ -105,13 +106,14 @@ def test_services_deployments_and_probes(overlay: str) -> None:
         assert env["SPECDEC_METRICS_PORT"] == str(metrics_port)
         assert env["OTEL_SERVICE_NAME"] == name
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == grpc_port, (name, probe)
+            assert container[probe]["grpc"]["port"] == HEALTH_PORT, (name, probe)
+        assert {"name": "health", "containerPort": HEALTH_PORT} in container["ports"]
+        assert config(objects)["SPECDEC_HEALTH_PORT"] == str(HEALTH_PORT)
         assert container["resources"]["requests"] and container["resources"]["limits"]
         annotations = pod["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/port"] == str(metrics_port)
-        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert_hardened(pod["spec"])
         service = find(objects, "Service", name)["spec"]
         assert service["selector"].items() <= pod["metadata"]["labels"].items()
         assert {p["port"] for p in service["ports"]} == {grpc_port, metrics_port}
@@ -175,6 +177,124 @@ def test_cpu_overlay_uses_embedded_models_offline() -> None:
     for kind, name in [("Deployment", "otel-collector"), ("Deployment", "jaeger"),
                        ("Service", "otel-collector"), ("Service", "jaeger")]:
         assert find(objects, kind, name)["metadata"]["namespace"] == "specdec"
+
+
+# -- security -----------------------------------------------------------------------
+
+
+def assert_hardened(pod: dict[str, Any]) -> None:
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for container in pod["containers"]:
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True, container["name"]
+        assert context["allowPrivilegeEscalation"] is False, container["name"]
+        assert context["capabilities"]["drop"] == ["ALL"], container["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_is_hardened(overlay: str) -> None:
+    deployments = [o for o in docs(K8S / "overlays" / overlay) if o["kind"] == "Deployment"]
+    assert len(deployments) >= 5  # three services and the observability stack
+    for deployment in deployments:
+        assert_hardened(deployment["spec"]["template"]["spec"])
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels and In expressions) against a pod's labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+               if e["operator"] == "In")
+
+
+def allowed_peers(objects: list[dict[str, Any]], labels: dict[str, str],
+                  port: str) -> list[dict[str, Any]]:
+    """The `from` peers of every ingress rule of the policies selecting these labels that
+    covers the named port; a rule without `from` allows everyone ({})."""
+    peers: list[dict[str, Any]] = []
+    for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
+        if not selects(policy["spec"]["podSelector"], labels):
+            continue
+        for rule in policy["spec"]["ingress"]:
+            if any(p["port"] == port for p in rule.get("ports", [])):
+                peers += rule.get("from", [{}])
+    return peers
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies(overlay: str) -> None:
+    objects = docs(K8S / "overlays" / overlay)
+    pods = {role: find(objects, "Deployment", f"specdec-{role}")["spec"]["template"]
+            for role in PORTS}
+    observability = {"podSelector": {"matchLabels": {
+        "app.kubernetes.io/component": "observability"}}}
+    for role, pod in pods.items():
+        labels = pod["metadata"]["labels"]
+        grpc_peers = allowed_peers(objects, labels, "grpc")
+        if role == "coordinator":
+            assert grpc_peers == [{}]  # the public API
+        else:  # only coordinator pods, and no rule that lets everyone in
+            assert grpc_peers and all("podSelector" in p and selects(
+                p["podSelector"], pods["coordinator"]["metadata"]["labels"])
+                and "namespaceSelector" not in p for p in grpc_peers), grpc_peers
+            assert not selects(grpc_peers[0]["podSelector"], pods["draft"]["metadata"]["labels"])
+        metrics_peers = allowed_peers(objects, labels, "metrics")
+        assert observability in metrics_peers and {} not in metrics_peers
+        assert all(p == observability or "namespaceSelector" in p for p in metrics_peers)
+        assert allowed_peers(objects, labels, "health") == [{}]  # probes
+        for port in pod["spec"]["containers"][0]["ports"]:  # every port has a rule
+            assert allowed_peers(objects, labels, port["name"]), (role, port["name"])
+
+
+def test_secure_overlay_mounts_certificates_and_keys() -> None:
+    objects = docs(K8S / "overlays" / "secure")
+    settings = config(objects)
+    assert settings["SPECDEC_TLS_CERT_FILE"] == "/etc/specdec/tls/tls.crt"
+    assert settings["SPECDEC_TLS_KEY_FILE"] == "/etc/specdec/tls/tls.key"
+    assert settings["SPECDEC_TLS_CA_FILE"] == "/etc/specdec/tls/ca.crt"
+    assert settings["SPECDEC_REFLECTION"] == "off"
+    for role in PORTS:
+        pod = find(objects, "Deployment", f"specdec-{role}")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        container = pod["containers"][0]
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert volumes["tls"]["secret"]["secretName"] == "specdec-tls"
+        assert mounts["tls"]["mountPath"] == "/etc/specdec/tls" and mounts["tls"]["readOnly"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        if role == "coordinator":
+            assert volumes["tls-client"]["secret"]["secretName"] == "specdec-tls-client"
+            assert volumes["api-keys"]["secret"]["secretName"] == "specdec-api-keys"
+            assert env["SPECDEC_TLS_CLIENT_CERT_FILE"].startswith(
+                mounts["tls-client"]["mountPath"])
+            assert env["SPECDEC_API_KEYS_FILE"].startswith(mounts["api-keys"]["mountPath"])
+        else:
+            assert "api-keys" not in volumes and "SPECDEC_API_KEYS_FILE" not in env
+        service = find(objects, "Service", f"specdec-{role}")["spec"]
+        assert service["ports"][0]["appProtocol"] == "grpc"  # TLS, not h2c
+
+
+def test_cert_manager_component_issues_the_secrets_tls_reads(tmp_path: Path) -> None:
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    relative = os.path.relpath(K8S, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{relative}/overlays/secure]\n"
+        f"components: [{relative}/components/cert-manager]\n")
+    objects = docs(overlay)
+    certificates = {o["metadata"]["name"]: o["spec"] for o in objects
+                    if o["kind"] == "Certificate"}
+    assert certificates["specdec-tls"]["secretName"] == "specdec-tls"
+    assert certificates["specdec-tls-client"]["secretName"] == "specdec-tls-client"
+    server_name = config(objects)["SPECDEC_TLS_SERVER_NAME"]
+    assert server_name in certificates["specdec-tls"]["dnsNames"]
+    assert "client auth" in certificates["specdec-tls-client"]["usages"]
+    # The core objects still validate strictly; cert-manager's kinds are its CRDs'.
+    core = tmp_path / "core.yaml"
+    core.write_text(yaml.safe_dump_all(
+        [o for o in objects if not o["apiVersion"].startswith("cert-manager.io/")]))
+    run(tool("kubernetes-validate"), "--strict", "--quiet", "-k", K8S_VERSION, str(core))
 
 
 # -- Prometheus ----------------------------------------------------------------------

@@ -20,6 +20,10 @@ def add_connection_settings(parser: argparse.ArgumentParser) -> None:
     """How a client reaches the coordinator (the one place client connection flags live)."""
     add_setting(parser, "--endpoint", DEFAULT_ENDPOINT, "the coordinator, host:port")
     add_setting(parser, "--timeout-s", 600.0, "request deadline in seconds", type=float)
+    add_setting(parser, "--tls-ca-file", "",
+                "PEM CA that signed the coordinator's certificate: call it over TLS "
+                "(empty = plaintext)")
+    add_setting(parser, "--api-key", "", "API key sent as 'authorization: Bearer <key>'")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -114,19 +118,19 @@ def build_request(prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
 
 
 def call(endpoint: str, request: Any, *, stream: bool, timeout_s: float,
-         echo: Any = None) -> Any:
+         echo: Any = None, tls_ca_file: str = "", api_key: str = "") -> Any:
     """Run the request; with stream, pass each text piece to echo(text) as it arrives.
     Returns one GenerateResponse (stream pieces merged)."""
-    import grpc
-
     from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from specdec.security import bearer, public_channel
 
-    with grpc.insecure_channel(endpoint) as channel:
+    metadata = bearer(api_key)
+    with public_channel(endpoint, ca_file=tls_ca_file) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         if not stream:
-            return stub.Generate(request, timeout=timeout_s)
+            return stub.Generate(request, timeout=timeout_s, metadata=metadata)
         merged = coordinator_pb2.GenerateResponse()
-        for piece in stub.GenerateStream(request, timeout=timeout_s):
+        for piece in stub.GenerateStream(request, timeout=timeout_s, metadata=metadata):
             if echo is not None and piece.text:
                 echo(piece.text)
             merged.text += piece.text
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     echo = None if args.json else (lambda text: print(text, end="", flush=True))
     try:
         response = call(args.endpoint, request, stream=args.stream, timeout_s=args.timeout_s,
-                        echo=echo)
+                        echo=echo, tls_ca_file=args.tls_ca_file, api_key=args.api_key)
     except grpc.RpcError as error:
         hint = unreachable_hint(error, args.endpoint)
         print(f"specdec generate: {hint or f'{error.code().name}: {error.details()}'}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from specdec.security import add_security_settings
 from specdec.settings import (
     ADDRESS_SETTINGS,
     DEFAULT_PORTS,
@@ -29,6 +30,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("role", choices=ROLES, help="which service")
     add_settings(parser, ADDRESS_SETTINGS)
     add_service_settings(parser)
+    # Not in add_service_settings: `up` hands them over in the environment, and one
+    # --health-port cannot serve all three.
+    add_security_settings(parser)
     # Not in add_service_settings: `up` must not hand one metrics port to all three.
     add_settings(parser, TELEMETRY_SETTINGS)
 

@@ -79,7 +79,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "up", help="start draft, target and coordinator on 127.0.0.1 until Ctrl-C")
     add_stack_settings(parser)
+    parser.add_argument("--secure", action="store_true",
+                        help="TLS everywhere, mutual TLS between the services and a generated "
+                        "API key on the public API (certificates in a new private directory)")
     parser.set_defaults(func=run)
+
+
+def secure_setup() -> tuple[dict[str, str], str]:
+    """`--secure`: certificates and an API key in a new private directory; the children's
+    environment, and the flags a caller then needs."""
+    import tempfile
+
+    from specdec.security import secure_stack_env
+
+    directory = Path(tempfile.mkdtemp(prefix="specdec-secure-"))  # mode 0700
+    env, api_key = secure_stack_env(directory)
+    print(f"secure: certificates and API keys in {directory}")
+    return env, (f" --tls-ca-file {env['SPECDEC_TLS_CA_FILE']} --api-key {api_key}")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -114,14 +130,15 @@ def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
 
 
 def run(args: argparse.Namespace) -> int:
-    stack = start(args)
+    env, call_flags = secure_setup() if getattr(args, "secure", False) else ({}, "")
+    stack = start(args, env=env or None)
     try:
         for role in ROLES:
             say(f"{role:<12} {stack.endpoint(role)}  (pid {stack.processes[role].pid})")
         say("draft: ready (requests are speculative)" if stack.ready("draft") else
             "draft: loading (requests run target-only until it is)")
-        say(f"ready: specdec generate \"Hello\" --endpoint {stack.endpoint('coordinator')}   "
-            "(Ctrl-C stops all three)")
+        say(f"ready: specdec generate \"Hello\" --endpoint {stack.endpoint('coordinator')}"
+            f"{call_flags}   (Ctrl-C stops all three)")
         while not stack.dead():
             time.sleep(0.5)
         say("stopping: " + "; ".join(stack.failure(role) for role in stack.dead()))

@@ -1,0 +1,442 @@
+"""TLS, mutual TLS, API keys and resource limits of the specdec servers and channels.
+
+Roles and what each checks:
+
+- draft and target: TLS with `--tls-cert-file` / `--tls-key-file`; with `--tls-ca-file`
+  they also require a client certificate signed by that CA (mutual TLS), so only a
+  coordinator holding such a certificate can extend or release their sessions.
+- coordinator: its public port is TLS without client certificates (callers present an
+  API key from `--api-keys-file` instead); its channels to draft and target verify the
+  services' certificates against `--tls-ca-file` and present
+  `--tls-client-cert-file` / `--tls-client-key-file`.
+
+Every setting is a flag `--x-y` with the environment variable SPECDEC_X_Y, so
+`specdec up` hands one set to all three processes through their environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import ipaddress
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from specdec.config import add_setting, env_name
+from specdec.errors import SpecdecError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_MB = 64  # q for a long draft over a 49k vocabulary is a few MB
+DEFAULT_MAX_SESSIONS = 1024
+COORDINATOR_SERVICE = "specdec.v1.Coordinator"
+GENERATE_METHODS = (f"/{COORDINATOR_SERVICE}/Generate", f"/{COORDINATOR_SERVICE}/GenerateStream")
+
+
+class SessionLimitReached(SpecdecError):
+    """A new session beyond SPECDEC_MAX_SESSIONS."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
+    tls_server_name: str = ""
+    api_keys_file: str = ""
+    reflection: str = "on"
+    health_port: int = 0
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_prompt_tokens: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | Any) -> SecuritySettings:
+        """From parsed flags; a namespace without some of them gets their defaults."""
+        defaults = cls()
+        return cls(**{f.name: getattr(args, f.name, getattr(defaults, f.name))
+                      for f in fields(cls)})
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> SecuritySettings:
+        """From SPECDEC_* variables alone (a process that starts or calls the servers)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(env_name("--" + f.name.replace("_", "-")), "")
+            if raw:
+                values[f.name] = int(raw) if isinstance(f.default, int) else raw
+        return cls(**values)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file or self.tls_key_file)
+
+    @property
+    def internal_tls(self) -> bool:
+        """Whether the coordinator's channels to draft and target use TLS: with a CA or a
+        client certificate, or when this process serves TLS itself (one set of settings
+        for all three, as `specdec up` and the Kubernetes component give)."""
+        return bool(self.tls_ca_file or self.tls_client_cert_file or self.tls_cert_file)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+
+def add_security_settings(parser: argparse.ArgumentParser) -> None:
+    add_setting(parser, "--tls-cert-file", "",
+                "PEM certificate this server presents (empty = plaintext)")
+    add_setting(parser, "--tls-key-file", "", "PEM private key of --tls-cert-file")
+    add_setting(parser, "--tls-ca-file", "",
+                "PEM CA: draft and target require client certificates it signed (mutual "
+                "TLS); the coordinator verifies the services' certificates against it")
+    add_setting(parser, "--tls-client-cert-file", "",
+                "coordinator: PEM client certificate presented to draft and target")
+    add_setting(parser, "--tls-client-key-file", "",
+                "coordinator: PEM private key of --tls-client-cert-file")
+    add_setting(parser, "--tls-server-name", "",
+                "coordinator: the name the services' certificates must carry (empty = the "
+                "host of each endpoint; set it when endpoints are pod addresses)")
+    add_setting(parser, "--api-keys-file", "",
+                "coordinator: file of API keys, one per line, '#' comments; every "
+                "Coordinator call then needs metadata 'authorization: Bearer <key>'; "
+                "re-read when it changes (empty = no keys required)")
+    add_setting(parser, "--reflection", "on", "gRPC server reflection", choices=("on", "off"))
+    add_setting(parser, "--health-port", 0,
+                "also serve grpc.health.v1 alone, in plaintext, on this port (for "
+                "Kubernetes probes while the main port requires TLS; 0 = off)", type=int)
+    add_setting(parser, "--max-message-mb", DEFAULT_MAX_MESSAGE_MB,
+                "largest gRPC message this server or its channels send or receive (MiB)",
+                type=int)
+    add_setting(parser, "--max-sessions", DEFAULT_MAX_SESSIONS,
+                "most sessions open at once on this service (coordinator: generations in "
+                "flight); a new one beyond it gets RESOURCE_EXHAUSTED (0 = no cap)", type=int)
+    add_setting(parser, "--max-prompt-tokens", 0,
+                "coordinator: longest prompt in tokens (0 = the target's context)", type=int)
+
+
+# -- TLS -----------------------------------------------------------------------------
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"cannot read {what} {path!r}: {error.strerror}") from None
+
+
+def server_credentials(settings: SecuritySettings, *,
+                       client_auth: bool) -> grpc.ServerCredentials | None:
+    """TLS credentials of a server, or None for plaintext.
+
+    client_auth: require client certificates signed by --tls-ca-file (draft and target);
+    ignored without a CA file."""
+    if not settings.tls:
+        if settings.tls_ca_file and client_auth:
+            raise ValueError("--tls-ca-file asks for mutual TLS, which needs this server's "
+                             "own --tls-cert-file and --tls-key-file")
+        return None
+    if not (settings.tls_cert_file and settings.tls_key_file):
+        raise ValueError("TLS needs both --tls-cert-file and --tls-key-file "
+                         "(SPECDEC_TLS_CERT_FILE, SPECDEC_TLS_KEY_FILE)")
+    pair = (_read(settings.tls_key_file, "TLS key"), _read(settings.tls_cert_file, "TLS cert"))
+    require = client_auth and bool(settings.tls_ca_file)
+    root = _read(settings.tls_ca_file, "TLS CA") if require else None
+    return grpc.ssl_server_credentials([pair], root_certificates=root,
+                                       require_client_auth=require)
+
+
+def channel_credentials(settings: SecuritySettings) -> grpc.ChannelCredentials | None:
+    """The coordinator's credentials towards draft and target, or None for plaintext."""
+    if not settings.internal_tls:
+        return None
+    if bool(settings.tls_client_cert_file) != bool(settings.tls_client_key_file):
+        raise ValueError("--tls-client-cert-file and --tls-client-key-file go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=(_read(settings.tls_ca_file, "TLS CA")
+                           if settings.tls_ca_file else None),
+        private_key=(_read(settings.tls_client_key_file, "TLS client key")
+                     if settings.tls_client_key_file else None),
+        certificate_chain=(_read(settings.tls_client_cert_file, "TLS client cert")
+                           if settings.tls_client_cert_file else None))
+
+
+def message_options(max_bytes: int) -> list[tuple[str, Any]]:
+    return [("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", max_bytes)]
+
+
+def channel_options(settings: SecuritySettings) -> list[tuple[str, Any]]:
+    """Options of the coordinator's channels to draft and target."""
+    options = message_options(settings.max_message_bytes)
+    if settings.tls_server_name and settings.internal_tls:
+        options.append(("grpc.ssl_target_name_override", settings.tls_server_name))
+    return options
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip("[]") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(host: str, port: int, services: Sequence[str], *, tls: bool,
+                    client_auth: bool) -> None:
+    """One warning when a non-loopback bind leaves its services open to the network."""
+    if is_loopback(host):
+        return
+    names = ", ".join(services)
+    if not tls:
+        log.warning("%s:%d serves %s in plaintext on a non-loopback interface: anyone who "
+                    "can reach it can call them and read their traffic (set "
+                    "SPECDEC_TLS_CERT_FILE and SPECDEC_TLS_KEY_FILE)", host, port, names)
+    elif not client_auth:
+        log.warning("%s:%d serves %s over TLS without client certificates: anyone who can "
+                    "reach it can call them (set SPECDEC_TLS_CA_FILE for mutual TLS)",
+                    host, port, names)
+
+
+def public_channel(endpoint: str, *, ca_file: str = "", tls: bool | None = None,
+                   server_name: str = "",
+                   options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A client's channel to the coordinator: TLS when a CA file is given (or tls=True,
+    verifying against the system's roots), else plaintext."""
+    opts = list(options)
+    if server_name:
+        opts.append(("grpc.ssl_target_name_override", server_name))
+    if ca_file or tls:
+        root = _read(ca_file, "TLS CA") if ca_file else None
+        return grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(root), options=opts)
+    return grpc.insecure_channel(endpoint, options=opts)
+
+
+def bearer(api_key: str) -> tuple[tuple[str, str | bytes], ...]:
+    """Call metadata carrying an API key (empty without one)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+# -- API keys ------------------------------------------------------------------------
+
+
+class ApiKeys:
+    """The keys of a keys file, re-read when its modification time, size or inode
+    changes (checked on each call: one stat), so keys rotate without a restart."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None
+        self._keys: list[bytes] = []
+        self._reload(required=True)
+
+    def _reload(self, required: bool = False) -> None:
+        try:
+            stat = self.path.stat()
+            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            if stamp == self._stamp:
+                return
+            text = self.path.read_text()
+        except OSError as error:
+            if required:
+                raise ValueError(f"cannot read the API keys file {str(self.path)!r}: "
+                                 f"{error.strerror}") from None
+            # A rotation by rename can briefly leave no file: keep the last keys.
+            log.warning("cannot read the API keys file %s (%s): keeping the %d keys read "
+                        "before", self.path, error.strerror, len(self._keys))
+            return
+        keys = [line.strip().encode() for line in text.splitlines()]
+        self._keys = [key for key in keys if key and not key.startswith(b"#")]
+        self._stamp = stamp
+        if not self._keys:
+            log.warning("the API keys file %s lists no keys: every call is refused", self.path)
+        else:
+            log.info("read %d API keys from %s", len(self._keys), self.path)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def valid(self, candidate: str) -> bool:
+        with self._lock:
+            self._reload()
+            keys = self._keys
+        given = candidate.encode()
+        # Compare against every key, each in constant time: the time taken says nothing
+        # about which key, or how much of one, matched.
+        found = False
+        for key in keys:
+            found |= hmac.compare_digest(key, given)
+        return found
+
+
+def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
+            message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends every call with code."""
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+
+    def stream(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+        yield  # pragma: no cover - a generator, as a streaming handler must be
+
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(stream, **kwargs)
+
+
+def _service(method: str) -> str:
+    return method.split("/")[1] if method.count("/") >= 2 else ""
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Every call of the protected services needs `authorization: Bearer <key>` with a key
+    of the keys file; health and reflection stay open. The key itself is never logged."""
+
+    def __init__(self, keys: ApiKeys, services: Iterable[str] = (COORDINATOR_SERVICE,)) -> None:
+        self.keys = keys
+        self.services = frozenset(services)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        if _service(details.method) not in self.services:
+            return continuation(details)
+        header = next((value for name, value in details.invocation_metadata or ()
+                       if name == "authorization"), None)
+        if header is None:
+            message = ("this server requires an API key: send the metadata "
+                       "'authorization: Bearer <key>' (specdec generate --api-key, or "
+                       "SPECDEC_API_KEY)")
+        else:
+            scheme, _, key = str(header).strip().partition(" ")
+            if scheme.lower() == "bearer" and key.strip() and self.keys.valid(key.strip()):
+                return continuation(details)
+            message = ("the API key is not valid on this server (unknown, revoked, or not "
+                       "in the form 'authorization: Bearer <key>'); ask its operator for "
+                       "a key from its SPECDEC_API_KEYS_FILE")
+        handler = continuation(details)
+        if handler is None:
+            return None
+        log.info("refused %s: %s", details.method,
+                 "no API key" if header is None else "invalid API key")
+        return _denied(handler, grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+class ConcurrencyInterceptor(grpc.ServerInterceptor):
+    """At most `limit` calls of `methods` in flight (the coordinator's generations); one
+    beyond gets RESOURCE_EXHAUSTED naming SPECDEC_MAX_SESSIONS."""
+
+    def __init__(self, limit: int, methods: Iterable[str] = GENERATE_METHODS,
+                 what: str = "generations") -> None:
+        self.limit = limit
+        self.methods = frozenset(methods)
+        self.what = what
+        self._lock = threading.Lock()
+        self.in_flight = 0
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method not in self.methods:
+            return handler
+        if handler.unary_unary:
+            inner, wrap = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+        else:
+            inner, wrap = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+
+        def limited(request: Any, context: grpc.ServicerContext) -> Any:
+            with self._lock:
+                if self.in_flight >= self.limit:
+                    full = True
+                else:
+                    full = False
+                    self.in_flight += 1
+            if full:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, session_limit_message(
+                    self.limit, f"{self.what} are in flight on this coordinator"))
+            done = threading.Event()
+
+            def release() -> None:
+                if not done.is_set():
+                    done.set()
+                    with self._lock:
+                        self.in_flight -= 1
+
+            if not context.add_callback(release):
+                release()
+            return inner(request, context)
+
+        return wrap(limited, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+def session_limit_message(limit: int, what: str) -> str:
+    return (f"{limit} {what}, the most SPECDEC_MAX_SESSIONS (--max-sessions) allows; "
+            "retry later, or raise the limit")
+
+
+def check_session_cap(open_sessions: int, limit: int, service: str) -> None:
+    """Raise SessionLimitReached when a new session would exceed the cap (0 = no cap).
+
+    The model services' session table calls it before it admits an unknown session id."""
+    if limit and open_sessions >= limit:
+        raise SessionLimitReached(session_limit_message(
+            limit, f"sessions are open on this {service} service"))
+
+
+# -- one place that turns settings into a server -------------------------------------
+
+
+def server_options(args: argparse.Namespace | Any, *, role: str) -> dict[str, Any]:
+    """build_server's keyword arguments for a role: credentials, limits, reflection,
+    health port and the interceptors the settings ask for (API keys, session cap)."""
+    settings = SecuritySettings.from_args(args)
+    interceptors: list[grpc.ServerInterceptor] = []
+    if role == "coordinator":
+        if settings.api_keys_file:
+            interceptors.append(ApiKeyInterceptor(ApiKeys(settings.api_keys_file)))
+        if settings.max_sessions:
+            interceptors.append(ConcurrencyInterceptor(settings.max_sessions))
+    return {"credentials": server_credentials(settings, client_auth=role != "coordinator"),
+            "client_auth": role != "coordinator" and bool(settings.tls_ca_file),
+            "reflection": settings.reflection == "on",
+            "health_port": settings.health_port or None,
+            "max_message_bytes": settings.max_message_bytes,
+            "interceptors": interceptors}
+
+
+def secure_stack_env(directory: Path) -> tuple[dict[str, str], str]:
+    """Certificates and one API key for a local stack with TLS everywhere: the children's
+    SPECDEC_* environment, and the key (generated here, written 0600)."""
+    import secrets
+
+    from specdec.commands.certs import write_certs, write_key_file
+
+    paths = write_certs(directory)
+    api_key = secrets.token_urlsafe(32)
+    keys_file = directory / "api-keys"
+    write_key_file(keys_file, f"# generated by specdec up --secure\n{api_key}\n".encode())
+    env = {"SPECDEC_TLS_CERT_FILE": paths["server.crt"], "SPECDEC_TLS_KEY_FILE":
+           paths["server.key"], "SPECDEC_TLS_CA_FILE": paths["ca.crt"],
+           "SPECDEC_TLS_CLIENT_CERT_FILE": paths["client.crt"],
+           "SPECDEC_TLS_CLIENT_KEY_FILE": paths["client.key"],
+           "SPECDEC_API_KEYS_FILE": keys_file}
+    return {name: str(path) for name, path in env.items()}, api_key
