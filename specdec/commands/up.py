@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+from specdec.commands.http import DEFAULT_HTTP_PORT, start_http
 from specdec.commands.serve import DEFAULT_PORTS, add_service_settings
 from specdec.config import add_setting
 from specdec.stack import Stack, start_stack
@@ -45,6 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "up", help="start draft, target and coordinator on 127.0.0.1 until Ctrl-C")
     add_stack_settings(parser)
+    add_setting(parser, "--http-port", DEFAULT_HTTP_PORT,
+                "port of the OpenAI-compatible HTTP API (docs/http.md; 0 = any free port, "
+                "-1 = no HTTP API)", type=int)
     parser.set_defaults(func=run)
 
 
@@ -71,18 +75,31 @@ def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
 
 def run(args: argparse.Namespace) -> int:
     stack = start(args)
+    http = None
+    try:
+        if args.http_port >= 0:
+            http = start_http(stack.endpoint("coordinator"), args.http_port, args.target_model,
+                              args.startup_timeout_s,
+                              Path(args.log_dir) / "http.log" if args.log_dir else None)
+    except BaseException:
+        stack.stop()
+        raise
     for role in ("coordinator", "draft", "target"):
         print(f"{role:<12} {stack.endpoint(role)}  (pid {stack.processes[role].pid})")
+    if http is not None:
+        print(f"{'http':<12} {http.url}  (pid {http.process.pid})")
     print(f"ready: specdec generate \"Hello\" --endpoint {stack.endpoint('coordinator')}   "
-          "(Ctrl-C stops all three)", flush=True)
+          "(Ctrl-C stops them all)", flush=True)
     try:
-        while not stack.dead():
+        while not stack.dead() and (http is None or http.process.poll() is None):
             time.sleep(0.5)
-        print(f"stopping: {', '.join(stack.dead())} exited")
+        print(f"stopping: {', '.join(stack.dead()) or 'http'} exited")
         return 1
     except KeyboardInterrupt:
         print("stopping...", flush=True)
         return 0
     finally:
+        if http is not None:
+            print(f"stopped: http exit {http.stop()}")
         codes = stack.stop()
         print("stopped: " + ", ".join(f"{role} exit {code}" for role, code in codes.items()))
