@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 import torch
@@ -152,6 +153,40 @@ def test_text_content_parts_and_developer_role(stack: Stack) -> None:
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
     assert as_parts.usage is not None and as_text.usage is not None
     assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+
+
+BAD_GRPC_MESSAGES = {
+    "messages and prompt": (dict(prompt="hi"), "not both prompt and messages"),
+    "messages and token ids": (dict(prompt_token_ids=[1, 2]),
+                               "not both prompt_token_ids and messages"),
+    "unknown role": (dict(role="tool"), "messages[1].role must be one of"),
+    "chat flag": (dict(chat=True), "chat applies the chat template to `prompt`"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_GRPC_MESSAGES))
+def test_grpc_messages_are_checked(stack: Stack, case: str) -> None:
+    fields, named = BAD_GRPC_MESSAGES[case]
+    fields = dict(fields)
+    request = coordinator_pb2.GenerateRequest(max_new_tokens=4, messages=[
+        coordinator_pb2.ChatMessage(role="system", content="Be brief."),
+        coordinator_pb2.ChatMessage(role=str(fields.pop("role", "user")), content="")])
+    for name, value in fields.items():
+        if name == "prompt_token_ids":
+            request.prompt_token_ids.extend(value)  # type: ignore[arg-type]
+        else:
+            setattr(request, name, value)
+    with pytest.raises(grpc.RpcError) as caught:
+        stack.services.stub.Generate(request, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in caught.value.details(), caught.value.details()
+
+
+def test_grpc_empty_turns_are_valid(stack: Stack) -> None:
+    reply = stack.services.stub.Generate(coordinator_pb2.GenerateRequest(
+        max_new_tokens=2, messages=[coordinator_pb2.ChatMessage(role="user", content="")]),
+        timeout=30)
+    assert len(reply.token_ids) == 2 or reply.finish_reason == "eos"
 
 
 # -- completions -------------------------------------------------------------------------
@@ -299,3 +334,29 @@ def test_up_serves_the_http_api(tmp_path: Path) -> None:
         rest, _ = up.communicate(timeout=120)
     assert up.returncode == 0, rest
     assert "stopped: http exit 0" in rest
+
+
+# -- Kubernetes --------------------------------------------------------------------------
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_kubernetes_serves_the_http_api_with_http_probes(overlay: str) -> None:
+    from test_k8s import K8S, docs, find
+
+    objects = docs(K8S / "overlays" / overlay)
+    pod = find(objects, "Deployment", "specdec-http")["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["command"][-2:] == ["specdec", "http"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SPECDEC_COORDINATOR_ENDPOINT"] == "specdec-coordinator:50051"
+    assert env["SPECDEC_HTTP_HOST"] == "0.0.0.0"
+    port = int(env["SPECDEC_HTTP_PORT"])
+    assert container["ports"] == [{"name": "http", "containerPort": port}]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    for probe in ("startupProbe", "livenessProbe"):  # never restarted for a coordinator outage
+        assert container[probe]["httpGet"]["path"] == "/v1/models"
+    service = find(objects, "Service", "specdec-http")["spec"]
+    assert service["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["ports"][0]["targetPort"] == "http"
+    # The served model id follows the ConfigMap's target model, as the coordinator's does.
+    assert container["envFrom"] == [{"configMapRef": {"name": next(
+        o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"
+        and o["metadata"]["name"].startswith("specdec-config"))}}]
