@@ -94,7 +94,7 @@ class HttpProcess:
         except (urllib.error.URLError, OSError):
             return False
 
-    def stop(self, timeout_s: float = 10.0) -> int:
+    def stop(self, timeout_s: float = 30.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:

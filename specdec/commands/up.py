@@ -1,4 +1,4 @@
-"""`specdec up`: draft, target and coordinator as local processes until Ctrl-C."""
+"""`specdec up`: draft, target, coordinator and the HTTP API as local processes until Ctrl-C."""
 
 from __future__ import annotations
 
