@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -58,7 +59,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:
-    sys.exit(0)
+    # The server has shut down by now. os._exit skips the interpreter's teardown of the
+    # modules the CLI imports (torch, transformers), which is most of the stop time.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"http serving on http://{args.http_host}:{args.http_port} "
           f"(coordinator {args.coordinator_endpoint})", flush=True)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again under the
-    # handler it found: this one makes that a clean exit rather than death by signal.
+    # handler it found: this one makes that a prompt, clean exit.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     # No access log: one line per request costs the event loop time it shares with the
     # streams; errors are still logged.
