@@ -64,7 +64,8 @@ def grpc_request(stub: Any, prompt: str, max_tokens: int) -> Sample:
 
 def http_request(url: str, model: str, prompt: str, max_tokens: int) -> Sample:
     parts = urllib.parse.urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
+                                            timeout=600)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}],
                        "max_tokens": max_tokens, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}})
@@ -94,6 +95,7 @@ def run_load(api: str, args: argparse.Namespace, prompts: list[str],
     channel = grpc.insecure_channel(args.grpc_endpoint)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     samples: list[Sample] = []
+    errors: list[str] = []  # failed requests count as no tokens, like AIPerf's errors
     next_index = [0]
     guard = threading.Lock()
 
@@ -105,8 +107,14 @@ def run_load(api: str, args: argparse.Namespace, prompts: list[str],
                     return
                 next_index[0] += 1
             prompt = prompts[index % len(prompts)]
-            sample = (grpc_request(stub, prompt, args.max_tokens) if api == "grpc"
-                      else http_request(args.http_url, args.model, prompt, args.max_tokens))
+            try:
+                sample = (grpc_request(stub, prompt, args.max_tokens) if api == "grpc"
+                          else http_request(args.http_url, args.model, prompt,
+                                            args.max_tokens))
+            except (grpc.RpcError, RuntimeError, OSError) as error:
+                with guard:
+                    errors.append(f"{type(error).__name__}: {error}")
+                continue
             with guard:
                 samples.append(sample)
 
@@ -118,9 +126,13 @@ def run_load(api: str, args: argparse.Namespace, prompts: list[str],
         thread.join()
     wall = time.perf_counter() - start
     channel.close()
+    if not samples:
+        return {"api": api, "concurrency": concurrency, "requests": 0,
+                "errors": len(errors), "first_error": errors[0] if errors else None}
     itls = [s.itl_s for s in samples if s.itl_s is not None]
     tokens = sum(s.tokens for s in samples)
     return {"api": api, "concurrency": concurrency, "requests": len(samples),
+            "errors": len(errors), "first_error": errors[0] if errors else None,
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
             "ttft_ms_mean": 1000 * statistics.fmean(s.ttft_s for s in samples),
             "itl_ms_mean": 1000 * statistics.fmean(itls) if itls else None,

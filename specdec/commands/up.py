@@ -44,7 +44,8 @@ def service_args(args: argparse.Namespace) -> list[str]:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "up", help="start draft, target and coordinator on 127.0.0.1 until Ctrl-C")
+        "up", help="start draft, target, coordinator and the HTTP API on 127.0.0.1 until "
+        "Ctrl-C")
     add_stack_settings(parser)
     add_setting(parser, "--http-port", DEFAULT_HTTP_PORT,
                 "port of the OpenAI-compatible HTTP API (docs/http.md; 0 = any free port, "
