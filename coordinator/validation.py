@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +42,12 @@ class ValidRequest:
 
 def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
              tokenizer: Any | None) -> ValidRequest:
-    has_text, has_ids = bool(request.prompt), bool(request.prompt_token_ids)
-    if not has_text and not has_ids:
-        raise InvalidRequest("prompt or prompt_token_ids is required (both are empty)")
-    if has_text and has_ids:
-        raise InvalidRequest("give either prompt or prompt_token_ids, not both")
-    if request.chat and not has_text:
-        raise InvalidRequest("chat applies the chat template to `prompt`; it cannot be used "
-                             "with prompt_token_ids")
+    source = prompt_source(request)
+    has_text = source in ("prompt", "messages")
+    if request.chat and source != "prompt":
+        raise InvalidRequest(f"chat applies the chat template to `prompt`; it cannot be used "
+                             f"with {source}" + (" (messages are always rendered with it)"
+                                                 if source == "messages" else ""))
     if not 0 < request.max_new_tokens <= limits.max_new_tokens:
         raise InvalidRequest(f"max_new_tokens must be in [1, {limits.max_new_tokens}] "
                              f"(SPECDEC_MAX_NEW_TOKENS_LIMIT), got {request.max_new_tokens}")
@@ -84,14 +82,18 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not text:
             raise InvalidRequest(f"stop[{index}] is empty")
     if (stop or has_text) and tokenizer is None:
-        field = "prompt" if has_text else "stop"
+        field = source if has_text else "stop"
         raise InvalidRequest(f"{field} needs a tokenizer and this coordinator's target has "
                              "none; send prompt_token_ids and no stop strings")
-    field = "prompt" if has_text else "prompt_token_ids"
-    prompt_ids = (tokenize(tokenizer, request.prompt, request.chat) if has_text
-                  else list(request.prompt_token_ids))
+    field = source
+    if source == "messages":
+        prompt_ids = render_messages(tokenizer, request.messages)
+    elif source == "prompt":
+        prompt_ids = tokenize(tokenizer, request.prompt, request.chat)
+    else:
+        prompt_ids = list(request.prompt_token_ids)
     if has_text and not prompt_ids:
-        raise InvalidRequest("prompt tokenizes to no tokens")
+        raise InvalidRequest(f"{source} tokenizes to no tokens")
     wire.check_token_ids(prompt_ids, limits.vocab_size, field)
     if limits.max_prompt_tokens and len(prompt_ids) > limits.max_prompt_tokens:
         raise InvalidRequest(f"{field} is {len(prompt_ids)} tokens long; this server accepts "
@@ -143,6 +145,45 @@ def check_target_only(request: coordinator_pb2.GenerateRequest) -> None:
             "num_draft_tokens 0 without adaptive asks for target-only decoding; leave "
             "out `speculation` for the default (adaptive), or set adaptive or "
             "num_draft_tokens")
+
+
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def prompt_source(request: coordinator_pb2.GenerateRequest) -> str:
+    """The one prompt field the request sets; InvalidRequest unless exactly one is set."""
+    given = [name for name in PROMPT_FIELDS
+             if (request.prompt if name == "prompt" else len(getattr(request, name)))]
+    if not given:
+        raise InvalidRequest("one of prompt, prompt_token_ids or messages is required "
+                             "(all are empty)")
+    if len(given) > 1:
+        raise InvalidRequest(f"give one of prompt, prompt_token_ids and messages, "
+                             f"not both {' and '.join(given)}")
+    return given[0]
+
+
+def render_messages(tokenizer: Any, messages: Sequence[coordinator_pb2.ChatMessage]
+                    ) -> list[int]:
+    """A conversation -> prompt ids: the target's chat template with the generation prompt
+    (the start of the assistant's turn) appended. Empty content is a valid turn."""
+    for index, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{index}].role must be one of "
+                                 f"{', '.join(CHAT_ROLES)}; got {message.role!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("messages need a chat template and this coordinator's target "
+                             "tokenizer has none; send prompt instead")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as error:  # the template's own checks (jinja raise_exception)
+        raise InvalidRequest(f"messages: the target's chat template rejected this "
+                             f"conversation: {error}") from error
+    # Special tokens come from the template (SmolLM2 adds no BOS of its own).
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def tokenize(tokenizer: Any, prompt: str, chat: bool) -> list[int]:

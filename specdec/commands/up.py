@@ -1,8 +1,9 @@
-"""`specdec up`: draft, target and coordinator as local processes until stopped.
+"""`specdec up`: draft, target, coordinator and the HTTP API as local processes until
+stopped.
 
 The services stop whenever `up` does: Ctrl-C, SIGTERM, a closed terminal (SIGHUP), an
 error in `up`, or `up` killed outright (specdec.stack). Every port is checked before
-anything starts, and "ready" is printed only once this run's own three processes serve.
+anything starts, and "ready" is printed only once this run's own processes serve.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+from specdec.commands.http import DEFAULT_HTTP_PORT, start_http
 from specdec.commands.serve import DEFAULT_PORTS, add_service_settings
 from specdec.config import add_setting
 from specdec.settings import DEFAULT_METRICS_PORTS, SERVICE_SETTINGS
@@ -77,11 +79,15 @@ def child_commands(args: argparse.Namespace) -> tuple[list[str], dict[str, list[
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "up", help="start draft, target and coordinator on 127.0.0.1 until Ctrl-C")
+        "up", help="start draft, target, coordinator and the HTTP API on 127.0.0.1 until "
+        "Ctrl-C")
     add_stack_settings(parser)
     parser.add_argument("--secure", action="store_true",
                         help="TLS everywhere, mutual TLS between the services and a generated "
                         "API key on the public API (certificates in a new private directory)")
+    add_setting(parser, "--http-port", DEFAULT_HTTP_PORT,
+                "port of the OpenAI-compatible HTTP API (docs/http.md; 0 = any free port, "
+                "-1 = no HTTP API)", type=int)
     parser.set_defaults(func=run)
 
 
@@ -132,20 +138,34 @@ def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
 def run(args: argparse.Namespace) -> int:
     env, call_flags = secure_setup() if getattr(args, "secure", False) else ({}, "")
     stack = start(args, env=env or None)
+    http = None
+    try:
+        if args.http_port >= 0:
+            http = start_http(stack.endpoint("coordinator"), args.http_port, args.target_model,
+                              args.startup_timeout_s,
+                              Path(args.log_dir) / "http.log" if args.log_dir else None)
+    except BaseException:
+        stack.stop()
+        raise
     try:
         for role in ROLES:
             say(f"{role:<12} {stack.endpoint(role)}  (pid {stack.processes[role].pid})")
+        if http is not None:
+            say(f"{'http':<12} {http.url}  (pid {http.process.pid})")
         say("draft: ready (requests are speculative)" if stack.ready("draft") else
             "draft: loading (requests run target-only until it is)")
         say(f"ready: specdec generate \"Hello\" --endpoint {stack.endpoint('coordinator')}"
-            f"{call_flags}   (Ctrl-C stops all three)")
-        while not stack.dead():
+            f"{call_flags}   (Ctrl-C stops them all)")
+        while not stack.dead() and (http is None or http.process.poll() is None):
             time.sleep(0.5)
-        say("stopping: " + "; ".join(stack.failure(role) for role in stack.dead()))
+        say("stopping: " + ("; ".join(stack.failure(role) for role in stack.dead())
+                            or "http exited"))
         return 1
     except KeyboardInterrupt:
         say("stopping...")
         return 0
     finally:
+        if http is not None:
+            say(f"stopped: http exit {http.stop()}")
         codes = stack.stop()
         say("stopped: " + ", ".join(f"{role} exit {code}" for role, code in codes.items()))

@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP front door to the coordinator (`specdec http`)."""
