@@ -108,9 +108,9 @@ def _rowwise_mismatches(contexts: range, rows: int) -> int:
 
 
 def test_rowwise_rows_equal_their_one_row_calls_bit_for_bit(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Chain rows share calls only within a KEY_BLOCK block of key counts; across the
-    16-key blocks of SDPA's vectorised sum (AVX-512) the bits differ, which the control
-    (every chain row in one call) shows, so the comparison can fail."""
+    """Every chain row gets the call a one-row decode makes; the control (every chain row
+    in one masked call) shows that SDPA's bits depend on the call's key count, so the
+    comparison can fail."""
     contexts = range(1, 70)
     assert _rowwise_mismatches(contexts, rows=9) == 0
     monkeypatch.setattr(attention, "KEY_BLOCK", 4096)
