@@ -1,4 +1,4 @@
-"""Measured cost curves and the measured-cost bound of shared/REFERENCE.md section 2.
+"""Measured cost curves and the measured-cost bound (docs/design.md, "Choosing the draft length").
 
 T_target(k): one target forward that appends k new tokens to a warm KV cache (the verify
 step for a draft of k - 1 tokens), and T_draft(1): one draft forward of one token. Both
@@ -161,8 +161,8 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
     try:
         for k in range(1, max_k + 1):
             timers[k] = extend_timer(target, context, extra[:k])
-        # Round-robin over k (a likely cause of the eleventh session's T_target(1) above
-        # T_target(2..6) was timing each k in one block).
+        # Round-robin over k, so that a slow phase of the machine hits every k alike rather
+        # than the one k timed in that block.
         samples = round_robin({k: call for k, (call, _) in timers.items()}, repeats,
                               on_last_round=progress)
     finally:

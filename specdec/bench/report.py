@@ -7,7 +7,7 @@ range are over repeats, the quartiles over prompts. For speculative runs:
 - k = drafted tokens per round and tokens per round (all rounds), alpha = the per-token
   acceptance with E[tokens](alpha, k) = tokens per round;
 - bound = tokens per round * T_target(1) / (k * T_draft(1) + T_target(k + 1)) with the
-  calibrated costs: S(gamma) of shared/REFERENCE.md section 2 at the acceptance and the
+  calibrated costs: S(gamma) of docs/design.md at the acceptance and the
   draft length the run actually had (for adaptive, the mean length it chose);
 - ratio = achieved speedup over target-only / bound;
 - lookup share = the part of the drafted tokens that prompt lookup proposed, and its own
