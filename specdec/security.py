@@ -29,13 +29,14 @@ from typing import Any
 
 import grpc
 
-from specdec.config import add_setting, env_name
+from specdec.config import env_name
 from specdec.errors import SpecdecError
+from specdec.settings import SECURITY_SETTINGS, add_settings, default
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_MESSAGE_MB = 64  # q for a long draft over a 49k vocabulary is a few MB
-DEFAULT_MAX_SESSIONS = 1024
+DEFAULT_MAX_MESSAGE_MB: int = default("max-message-mb")  # a long draft's q is a few MB
+DEFAULT_MAX_SESSIONS: int = default("max-sessions")
 COORDINATOR_SERVICE = "specdec.v1.Coordinator"
 GENERATE_METHODS = (f"/{COORDINATOR_SERVICE}/Generate", f"/{COORDINATOR_SERVICE}/GenerateStream")
 
@@ -96,35 +97,7 @@ class SecuritySettings:
 
 
 def add_security_settings(parser: argparse.ArgumentParser) -> None:
-    add_setting(parser, "--tls-cert-file", "",
-                "PEM certificate this server presents (empty = plaintext)")
-    add_setting(parser, "--tls-key-file", "", "PEM private key of --tls-cert-file")
-    add_setting(parser, "--tls-ca-file", "",
-                "PEM CA: draft and target require client certificates it signed (mutual "
-                "TLS); the coordinator verifies the services' certificates against it")
-    add_setting(parser, "--tls-client-cert-file", "",
-                "coordinator: PEM client certificate presented to draft and target")
-    add_setting(parser, "--tls-client-key-file", "",
-                "coordinator: PEM private key of --tls-client-cert-file")
-    add_setting(parser, "--tls-server-name", "",
-                "coordinator: the name the services' certificates must carry (empty = the "
-                "host of each endpoint; set it when endpoints are pod addresses)")
-    add_setting(parser, "--api-keys-file", "",
-                "coordinator: file of API keys, one per line, '#' comments; every "
-                "Coordinator call then needs metadata 'authorization: Bearer <key>'; "
-                "re-read when it changes (empty = no keys required)")
-    add_setting(parser, "--reflection", "on", "gRPC server reflection", choices=("on", "off"))
-    add_setting(parser, "--health-port", 0,
-                "also serve grpc.health.v1 alone, in plaintext, on this port (for "
-                "Kubernetes probes while the main port requires TLS; 0 = off)", type=int)
-    add_setting(parser, "--max-message-mb", DEFAULT_MAX_MESSAGE_MB,
-                "largest gRPC message this server or its channels send or receive (MiB)",
-                type=int)
-    add_setting(parser, "--max-sessions", DEFAULT_MAX_SESSIONS,
-                "most sessions open at once on this service (coordinator: generations in "
-                "flight); a new one beyond it gets RESOURCE_EXHAUSTED (0 = no cap)", type=int)
-    add_setting(parser, "--max-prompt-tokens", 0,
-                "coordinator: longest prompt in tokens (0 = the target's context)", type=int)
+    add_settings(parser, SECURITY_SETTINGS)
 
 
 # -- TLS -----------------------------------------------------------------------------

@@ -35,7 +35,9 @@ SPECULATION = "speculation"
 LIMITS = "limits and timeouts"
 TELEMETRY = "telemetry"
 CPU_KERNELS = "advanced: CPU kernels"
-GROUPS = (MODELS, SERVICE, SPECULATION, LIMITS, TELEMETRY, CPU_KERNELS)
+SECURITY = "security"
+HTTP = "HTTP API"
+GROUPS = (MODELS, SERVICE, SPECULATION, LIMITS, SECURITY, HTTP, TELEMETRY, CPU_KERNELS)
 
 
 def env_name(flag: str) -> str:
@@ -201,6 +203,44 @@ _ALL = (
             "torch.compile the draft's forward: auto (compile at load, time it against "
             "eager and keep the faster), on, off", CPU_KERNELS, choices=COMPILE_CHOICES,
             advanced=True),
+    # security (specdec.security; docs/security.md)
+    Setting("tls-cert-file", "", "PEM certificate this server presents (empty = plaintext)",
+            SECURITY),
+    Setting("tls-key-file", "", "PEM private key of --tls-cert-file", SECURITY),
+    Setting("tls-ca-file", "",
+            "PEM CA: draft and target require client certificates it signed (mutual TLS); "
+            "the coordinator verifies the services' certificates against it", SECURITY),
+    Setting("tls-client-cert-file", "",
+            "coordinator: PEM client certificate presented to draft and target", SECURITY),
+    Setting("tls-client-key-file", "", "coordinator: PEM private key of --tls-client-cert-file",
+            SECURITY),
+    Setting("tls-server-name", "",
+            "coordinator: the name the services' certificates must carry (empty = the host "
+            "of each endpoint; set it when endpoints are pod addresses)", SECURITY),
+    Setting("api-keys-file", "",
+            "coordinator: file of API keys, one per line, '#' comments; every Coordinator "
+            "call then needs metadata 'authorization: Bearer <key>'; re-read when it "
+            "changes (empty = no keys required)", SECURITY),
+    Setting("reflection", "on", "gRPC server reflection", SECURITY, choices=("on", "off")),
+    Setting("health-port", 0,
+            "also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes "
+            "probes while the main port requires TLS; 0 = off)", SECURITY, type=int),
+    Setting("max-message-mb", 64,
+            "largest gRPC message this server or its channels send or receive (MiB)",
+            SECURITY, type=int),
+    Setting("max-sessions", 1024,
+            "most sessions open at once on this service (coordinator: generations in "
+            "flight); a new one beyond it gets RESOURCE_EXHAUSTED (0 = no cap)", SECURITY,
+            type=int),
+    Setting("max-prompt-tokens", 0,
+            "coordinator: longest prompt in tokens (0 = the target's context)", SECURITY,
+            type=int),
+    # the HTTP API (specdec http; docs/http.md)
+    Setting("http-host", "127.0.0.1", "interface the HTTP API listens on", HTTP),
+    Setting("http-port", 8000, "HTTP API port (under `specdec up`: 0 = any free port, "
+            "-1 = no HTTP API)", HTTP, type=int),
+    Setting("coordinator-endpoint", "127.0.0.1:50051",
+            "the coordinator the HTTP API calls, host:port", HTTP),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
@@ -219,6 +259,7 @@ SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-
                     "max-concurrent-requests", "max-queued-requests")
 ADDRESS_SETTINGS = ("host", "port", "draft-endpoint", "target-endpoint")
 TELEMETRY_SETTINGS = tuple(s.name for s in _ALL if s.group == TELEMETRY)
+SECURITY_SETTINGS = tuple(s.name for s in _ALL if s.group == SECURITY)
 
 
 def default(name: str) -> Any:

@@ -26,6 +26,9 @@ DELIBERATE = {
     "SPECDEC_DRAFT_ENDPOINT": "the headless Service of the draft pods",
     "SPECDEC_TARGET_ENDPOINT": "the headless Service of the target pods",
     "SPECDEC_TRACE_FILE": "a read-only root filesystem: spans go over OTLP only",
+    "SPECDEC_HEALTH_PORT": "kubelet probes cannot speak TLS: a plaintext health-only port",
+    "SPECDEC_MAX_SESSIONS": "sized to the pods' memory limits",
+    "SPECDEC_MAX_PROMPT_TOKENS": "sized to the pods' memory limits",
 }
 BY_ENV = {s.env: s for s in SETTINGS.values()}
 
@@ -86,7 +89,8 @@ def test_serve_flags_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("SPECDEC_NUM_DRAFT_TOKENS", "7")
     parser = serve_parser()
     args = parser.parse_args(["target"])
-    flagged = [s for s in SETTINGS.values() if s.flag and s.name != "max-adaptive-length"]
+    flagged = [s for s in SETTINGS.values() if s.flag and s.name != "max-adaptive-length"
+               and s.group != settings.HTTP]  # `specdec http`'s, not the services'
     for setting in flagged:
         expected = 7 if setting.name == "num-draft-tokens" else setting.default
         assert getattr(args, setting.dest) == expected, setting.name

@@ -17,18 +17,16 @@ from typing import IO
 from specdec.config import add_setting
 from specdec.http_api.app import HttpSettings
 from specdec.models import DEFAULT_TARGET
+from specdec.settings import add_settings, default
 from specdec.stack import free_port
 
-DEFAULT_HTTP_PORT = 8000
+DEFAULT_HTTP_PORT: int = default("http-port")
 DEFAULTS = HttpSettings()
 
 
 def add_http_settings(parser: argparse.ArgumentParser) -> None:
     """Settings of the HTTP process (`specdec up` takes --http-port only)."""
-    add_setting(parser, "--http-host", "127.0.0.1", "interface the HTTP API listens on")
-    add_setting(parser, "--http-port", DEFAULT_HTTP_PORT, "HTTP API port", type=int)
-    add_setting(parser, "--coordinator-endpoint", DEFAULTS.coordinator_endpoint,
-                "the coordinator's gRPC endpoint (host:port)")
+    add_settings(parser, ["http-host", "http-port", "coordinator-endpoint"], grouped=False)
     add_setting(parser, "--target-model", DEFAULT_TARGET,
                 "the coordinator's target model; its name is the served model name unless "
                 "--served-model-name is set")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from specdec.security import add_security_settings
 from specdec.settings import (
     ADDRESS_SETTINGS,
     DEFAULT_PORTS,
+    SECURITY_SETTINGS,
     SERVICE_SETTINGS,
     TELEMETRY_SETTINGS,
     add_settings,
@@ -32,7 +32,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_settings(parser)
     # Not in add_service_settings: `up` hands them over in the environment, and one
     # --health-port cannot serve all three.
-    add_security_settings(parser)
+    add_settings(parser, SECURITY_SETTINGS)
     # Not in add_service_settings: `up` must not hand one metrics port to all three.
     add_settings(parser, TELEMETRY_SETTINGS)
 
@@ -53,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from specdec.compute import MainThreadExecutor
     from specdec.grpc_server import serve_until_signal
+    from specdec.stack import announce_ready
 
     if not args.port:
         args.port = DEFAULT_PORTS[args.role]
@@ -66,5 +67,6 @@ def run(args: argparse.Namespace) -> int:
     handle = (create(args, telemetry=telemetry) if args.role == "coordinator"
               else create(args, telemetry=telemetry, executor=work))
     print(f"{args.role} serving on {handle.address}", flush=True)
+    announce_ready(handle.address)  # for a parent `specdec up`: this process is serving
     serve_until_signal(handle, args.grace_s, work)
     return 0

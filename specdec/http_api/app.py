@@ -32,6 +32,7 @@ from starlette.routing import Route
 from specdec.http_api.parsing import ApiError, ParsedRequest, parse
 from specdec.models import DEFAULT_TARGET
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.settings import default
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,7 +59,7 @@ REQUEST_ID_HEADER = "x-request-id"
 
 @dataclass(frozen=True)
 class HttpSettings:
-    coordinator_endpoint: str = "127.0.0.1:50051"
+    coordinator_endpoint: str = default("coordinator-endpoint")
     served_model_name: str = DEFAULT_TARGET
     default_max_tokens: int = 256  # requests without max_tokens / max_completion_tokens
     request_timeout_s: float = 600.0  # gRPC deadline of one generation

@@ -115,7 +115,10 @@ class SpeculationParams(_message.Message):
     NUM_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     PROMPT_LOOKUP_TOKENS_FIELD_NUMBER: _builtins.int
     num_draft_tokens: _builtins.int
-    """Tokens drafted per round; 0 = target only."""
+    """Tokens drafted per round: with `adaptive`, where the length starts (0 = the
+    coordinator's default); without, a fixed length, and 0 = target only. A request
+    without `speculation` is adaptive from the coordinator's default length.
+    """
     adaptive: _builtins.bool
     """Let the coordinator adapt the draft length to the acceptance it sees."""
     draft_confidence: _builtins.float
