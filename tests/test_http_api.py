@@ -133,8 +133,11 @@ def test_chat_plain_and_streamed_agree_and_render_the_conversation(stack: Stack)
 
 
 def test_sampled_requests_with_a_seed_repeat(stack: Stack) -> None:
+    # A seed fixes every draw by position; the tokens also depend on the draft lengths
+    # the rounds use, so the repeat fixes the length (adaptive lengths follow timing).
     fields = {"model": MODEL, "temperature": 1.0, "top_p": 0.9, "seed": 7, "max_tokens": 12,
-              "messages": [{"role": "user", "content": "Hello"}]}
+              "messages": [{"role": "user", "content": "Hello"}],
+              "extra_body": {"num_draft_tokens": 3, "adaptive": False}}
     first = stack.client.chat.completions.create(**fields)
     again = stack.client.chat.completions.create(**fields)
     streamed = "".join(c.choices[0].delta.content or "" for c in

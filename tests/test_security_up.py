@@ -53,7 +53,7 @@ def test_up_secure_has_no_open_path(tiny_pair: tuple[Path, Path], tmp_path: Path
     up = subprocess.Popen(
         [*SPECDEC, "up", "--secure", "--target-model", str(target), "--draft-model", str(draft),
          "--dtype", "float32", "--draft-dtype", "float32", "--draft-linear-kernel", "torch",
-         "--log-dir", str(logs), "--startup-timeout-s", "180",
+         "--log-dir", str(logs), "--startup-timeout-s", "180", "--http-port", "-1",
          *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     endpoint = f"127.0.0.1:{ports['coordinator']}"

@@ -39,6 +39,7 @@ def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) ->
         [*SPECDEC, "up", "--target-model", str(target), "--draft-model", str(draft),
          "--dtype", "bfloat16", "--draft-dtype", "float32", "--draft-linear-kernel", "torch",
          "--log-dir", str(tmp_path / "logs"), "--startup-timeout-s", "120",
+         "--http-port", "-1",
          *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     endpoint = f"127.0.0.1:{ports['coordinator']}"

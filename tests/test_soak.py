@@ -58,16 +58,27 @@ def test_a_session_released_mid_call_leaves_no_cache() -> None:
     from specdec.model_service import SessionTable
     from specdec.runner import ModelRunner
 
+    from specdec.runner import ExtendRequest, ExtendResult
+
     runner = ModelRunner(tiny_llama(32))
     table = SessionTable(runner)
     started, proceed = threading.Event(), threading.Event()
 
-    def work() -> object:
+    class OneForward:  # a call of one forward that starts a session's cache
+        session_id = "s"
+
+        def request(self) -> ExtendRequest:
+            return ExtendRequest("s", 0, 0, [1, 2, 3])
+
+        def take(self, result: ExtendResult) -> bool:
+            return True
+
+    def work() -> OneForward:
         started.set()
         proceed.wait(10)
-        return runner.extend("s", 0, 0, [1, 2, 3])
+        return OneForward()
 
-    call = threading.Thread(target=table.call, args=("s", work))
+    call = threading.Thread(target=table.call, args=("s", work, lambda job: None))
     call.start()
     assert started.wait(10)
     table.release("s")

@@ -35,7 +35,7 @@ def up_command(pair: tuple[Path, Path], ports: dict[str, int], metrics_port: int
     return [*SPECDEC, "up", "--target-model", str(target), "--draft-model", str(draft),
             "--draft-dtype", "float32", "--draft-linear-kernel", "torch",
             "--metrics-port", str(metrics_port), "--log-dir", str(log_dir),
-            "--startup-timeout-s", "180",
+            "--startup-timeout-s", "180", "--http-port", "-1",
             *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))]
 
 
