@@ -116,7 +116,7 @@ def test_up_secure_has_no_open_path(tiny_pair: tuple[Path, Path], tmp_path: Path
         assert any("coordinator" in name for name in texts) and traces.exists()
         assert any(t.strip() for name, t in texts.items() if name.endswith(".jsonl"))
         metrics_ports = [int(p) for t in texts.values()
-                         for p in re.findall(r"Prometheus metrics on :(\d+)/metrics", t)]
+                         for p in re.findall(r"Prometheus metrics on [^:\s]*:(\d+)/metrics", t)]
         assert len(metrics_ports) == 3, metrics_ports
         for port in metrics_ports:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:

@@ -195,8 +195,9 @@ def unreachable_hint(error: Any, endpoint: str) -> str:
     if error.code() == grpc.StatusCode.UNAVAILABLE and (
             "connect" in (error.details() or "").lower()
             or "unavailable" in (error.details() or "").lower()):
-        return (f"nothing answers at {endpoint}: start the stack with `specdec up`, "
-                "or pass --endpoint / SPECDEC_ENDPOINT")
+        return (f"nothing answers at {endpoint} (UNAVAILABLE): start the stack with "
+                "`specdec up`, pass --endpoint / SPECDEC_ENDPOINT, or, for a TLS endpoint, "
+                "--tls-ca-file")
     return ""
 
 
