@@ -18,7 +18,7 @@ from specdec.config import add_setting
 from specdec.http_api.app import HttpSettings
 from specdec.models import DEFAULT_TARGET
 from specdec.settings import add_settings, default
-from specdec.stack import free_port
+from specdec.stack import PARENT_PID_ENV, free_port
 
 DEFAULT_HTTP_PORT: int = default("http-port")
 DEFAULTS = HttpSettings()
@@ -119,7 +119,9 @@ def start_http(coordinator: str, port: int, target_model: str, timeout_s: float,
         [sys.executable, "-m", "specdec.cli", "http", "--http-host", host,
          "--http-port", str(port), "--coordinator-endpoint", coordinator,
          "--target-model", target_model],
-        stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
+        # It dies with this process, like the stack's children (specdec.stack).
+        env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
     http = HttpProcess(f"http://{host}:{port}", process, log)
     deadline = time.monotonic() + timeout_s
     while not http.healthy():

@@ -123,7 +123,8 @@ def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
     shared, per_role = child_commands(args)
     check_ports_free(HOST, {
         **{f"{role} gRPC": port for role, port in ports.items()},
-        **{f"{role} metrics": port for role, port in metrics_ports(args).items()}})
+        **{f"{role} metrics": port for role, port in metrics_ports(args).items()},
+        **({"HTTP API": args.http_port} if getattr(args, "http_port", -1) > 0 else {})})
     stack = start_stack(HOST, ports, shared, role_args=per_role,
                         log_dir=Path(args.log_dir) if args.log_dir else None, env=env,
                         draft_after_target_s=args.startup_timeout_s)
