@@ -37,7 +37,7 @@ from coordinator.routing import ReplicaRoute
 from coordinator.streaming import StreamChunker
 from coordinator.validation import Limits, ValidRequest, decoder, validate
 from specdec import policy as policies
-from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, length_policy
+from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, length_policy
 from specdec.discovery import ReplicaSet
 from specdec.errors import SpecdecError
 from specdec.grpc_server import Service
@@ -90,12 +90,13 @@ class Cancelled(Exception):
 
 def make_policy(num_draft_tokens: int, adaptive: bool, *,
                 max_length: int = default("max-adaptive-length"),
-                greedy: bool = True,
+                greedy: bool = True, costs: CostModel | None = None,
                 running: Callable[[], int] | None = None) -> policies.LengthPolicy:
     """FixedLength, or specdec.adaptive's load-aware policy for `adaptive` requests;
-    `running` counts the coordinator's running generations."""
+    `costs` is the coordinator's round-cost model, `running` counts its running
+    generations."""
     return length_policy(num_draft_tokens, adaptive, max_length=max_length, greedy=greedy,
-                         running=running)
+                         costs=costs, running=running)
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -126,6 +127,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                              self.settings.num_alternatives,
                              self.settings.prompt_lookup_tokens,
                              max_prompt_tokens=self.settings.max_prompt_tokens)
+        # Round costs are a property of this deployment: every adaptive session shares them.
+        self.costs = CostModel()
         self.admission = Admission(self.settings.max_concurrent_requests,
                                    self.settings.max_queued_requests)
         self.telemetry.watch_queue(lambda: self.admission.counts().queued)
@@ -283,7 +286,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         policy = make_policy(valid.num_draft_tokens, valid.adaptive,
                              max_length=self.settings.max_draft_tokens,
-                             greedy=valid.sampling.greedy,
+                             greedy=valid.sampling.greedy, costs=self.costs,
                              running=lambda: self.admission.running)
 
         def on_round(event: RoundEvent) -> None:

@@ -259,7 +259,6 @@ class CostModel:
         return draft + verify + overhead
 
 
-SHARED_COSTS = CostModel()  # the coordinator's: one per process
 DEFAULT_MAX_LENGTH: int = default("max-adaptive-length")
 # Adaptive requests end a round's draft after a token the draft gives less than this
 # probability (transformers uses the same for assisted generation): the target rarely
@@ -524,15 +523,16 @@ def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAU
                   running: Callable[[], int] | None = None) -> LengthPolicy:
     """The policy a request asks for: adaptive (starting at num_draft_tokens) or fixed.
 
-    Adaptive sessions share `costs` (default: this process's SHARED_COSTS) and learn a
-    prior acceptance per kind of request (greedy or sampled accept differently);
-    `running` counts the generations the caller runs now (its load).
+    Adaptive sessions of one deployment share `costs` (a coordinator holds one; None: a
+    model of this session's own) and learn a prior acceptance per kind of request
+    (greedy or sampled accept differently); `running` counts the generations the
+    caller runs now (its load).
     """
     if adaptive and num_draft_tokens > 0:
         # Past DEFAULT_MAX_LENGTH tokens a CPU verify costs more than the extra acceptance
         # brings, and every length allowed is swept once; a request asking more raises it.
         longest = min(max_length, max(DEFAULT_MAX_LENGTH, num_draft_tokens))
         return AdaptiveLength(num_draft_tokens, max(1, longest),
-                              costs=SHARED_COSTS if costs is None else costs,
+                              costs=costs,
                               prior_key="greedy" if greedy else "sampled", running=running)
     return FixedLength(num_draft_tokens)
