@@ -53,6 +53,7 @@ from specdec.prompt_lookup import (
 )
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.settings import default
+from specdec.speculation_gate import SpeculationGate
 from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.observe import RequestObserver
 from specdec.telemetry.round_tracer import load_attributes
@@ -91,12 +92,13 @@ class Cancelled(Exception):
 def make_policy(num_draft_tokens: int, adaptive: bool, *,
                 max_length: int = default("max-adaptive-length"),
                 greedy: bool = True, costs: CostModel | None = None,
-                running: Callable[[], int] | None = None) -> policies.LengthPolicy:
+                running: Callable[[], int] | None = None,
+                gate: SpeculationGate | None = None) -> policies.LengthPolicy:
     """FixedLength, or specdec.adaptive's load-aware policy for `adaptive` requests;
     `costs` is the coordinator's round-cost model, `running` counts its running
-    generations."""
+    generations, `gate` may turn drafting off at that load."""
     return length_policy(num_draft_tokens, adaptive, max_length=max_length, greedy=greedy,
-                         costs=costs, running=running)
+                         costs=costs, running=running, gate=gate)
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -129,6 +131,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                              max_prompt_tokens=self.settings.max_prompt_tokens)
         # Round costs are a property of this deployment: every adaptive session shares them.
         self.costs = CostModel()
+        # Whether drafting raises this deployment's output rate at the current load.
+        self.gate = SpeculationGate()
         self.admission = Admission(self.settings.max_concurrent_requests,
                                    self.settings.max_queued_requests)
         self.telemetry.watch_queue(lambda: self.admission.counts().queued)
@@ -287,9 +291,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         policy = make_policy(valid.num_draft_tokens, valid.adaptive,
                              max_length=self.settings.max_draft_tokens,
                              greedy=valid.sampling.greedy, costs=self.costs,
-                             running=lambda: self.admission.running)
+                             running=lambda: self.admission.running, gate=self.gate)
+        adaptive = isinstance(policy, AdaptiveLength)
 
         def on_round(event: RoundEvent) -> None:
+            self.gate.record(len(event.emitted), self.admission.running, gated=adaptive)
             if observed is not None:  # record the round even if the client has gone
                 if isinstance(policy, AdaptiveLength) and observed.tracer is not None:
                     observed.tracer.annotate_round(load_attributes(policy))

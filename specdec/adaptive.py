@@ -30,7 +30,9 @@ this session). At the symmetric point this is the gradient of the deployment's t
 rate, B * E(k) / W(k). The rule is smooth in B: long drafts, then alternatives, then
 drafting itself (k = 0: no Propose) fade out as load grows and come back as it falls;
 there is no batch-size threshold. An all-zero BatchInfo (a service that does not batch)
-counts as running alone.
+counts as running alone. What this model cannot see (the draft's work slowing the
+target's where they share compute) a SpeculationGate measures: while it finds that
+drafting lowers the deployment's output rate at the current load, rounds draft nothing.
 
 HeuristicLength is transformers' "+2 after a fully accepted round, -1 otherwise".
 """
@@ -48,6 +50,7 @@ from specdec.acceptance import ChainAcceptance
 from specdec.interfaces import ForwardBatch, Proposal, Verification
 from specdec.policy import FixedLength, LengthPolicy
 from specdec.settings import default
+from specdec.speculation_gate import SpeculationGate
 
 DEFAULT_MAX_DRAFT_TOKENS: int = default("max-draft-tokens")
 
@@ -276,7 +279,8 @@ class AdaptiveLength:
                  shrink: float = 3.0, allow_zero: bool = True, min_samples: float = 2.0,
                  probe_every: int = 8, prior_key: str = "default",
                  clock: Callable[[], float] = time.perf_counter,
-                 running: Callable[[], int] | None = None) -> None:
+                 running: Callable[[], int] | None = None,
+                 gate: SpeculationGate | None = None) -> None:
         self.initial = max(0, min(initial, max_length))
         self.max_length = max_length
         self.costs = costs if costs is not None else CostModel()
@@ -307,6 +311,8 @@ class AdaptiveLength:
         # Load: the coordinator's count of running generations (None: not known), and
         # what the next forward is expected to hold, from the last Verify's BatchInfo.
         self.running = running
+        self.gate = gate
+        self.gated_off = False  # this round: the gate turned drafting off
         self._running_at_call = 0
         self.load = RUNNING_ALONE
         self._reference = self.initial  # the k other sessions draft, from their rows
@@ -413,6 +419,10 @@ class AdaptiveLength:
         self._round_started = now
         self._running_at_call = self.running() if self.running is not None else 0
         self._choice = self._choose()
+        self.gated_off = False
+        if self.gate is not None and not self.gate.allows(max(1, self._running_at_call)):
+            self.gated_off = self._choice > 0
+            self._choice = 0
         if self.rounds > 0:
             self._note_load_limit(self._choice)
         return self._choice
@@ -520,13 +530,15 @@ class HeuristicLength:
 
 def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAULT_MAX_LENGTH,
                   costs: CostModel | None = None, greedy: bool = True,
-                  running: Callable[[], int] | None = None) -> LengthPolicy:
+                  running: Callable[[], int] | None = None,
+                  gate: SpeculationGate | None = None) -> LengthPolicy:
     """The policy a request asks for: adaptive (starting at num_draft_tokens) or fixed.
 
     Adaptive sessions of one deployment share `costs` (a coordinator holds one; None: a
     model of this session's own) and learn a prior acceptance per kind of request
     (greedy or sampled accept differently); `running` counts the generations the
-    caller runs now (its load).
+    caller runs now (its load); `gate`, the deployment's SpeculationGate, may turn
+    drafting off at that load.
     """
     if adaptive and num_draft_tokens > 0:
         # Past DEFAULT_MAX_LENGTH tokens a CPU verify costs more than the extra acceptance
@@ -534,5 +546,6 @@ def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAU
         longest = min(max_length, max(DEFAULT_MAX_LENGTH, num_draft_tokens))
         return AdaptiveLength(num_draft_tokens, max(1, longest),
                               costs=costs,
-                              prior_key="greedy" if greedy else "sampled", running=running)
+                              prior_key="greedy" if greedy else "sampled", running=running,
+                              gate=gate)
     return FixedLength(num_draft_tokens)

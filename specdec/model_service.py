@@ -19,6 +19,15 @@ instead of growing every forward it shares. A call whose gRPC context is no long
 active (cancelled, deadline passed) leaves before the next forward and its session's
 cache is released.
 
+A session's next call reaches the service one coordinator round trip after its last one
+ended, so sessions that keep arriving a little after a forward started fall into step
+with it and take turns, one forward each, instead of sharing. The scheduler learns each
+session's gap (from the end of one call to the arrival of its next, a moving average)
+and, before a forward with no job in progress, waits for the sessions expected back
+within GATHER_FRACTION of a typical forward (a moving average), no longer: one that
+comes shares the forward instead of waiting a whole one, one that does not costs the
+others at most that wait.
+
 Model work runs on one thread per process, whichever gRPC worker received the call:
 under `specdec serve` the main thread (specdec.compute), elsewhere a compute thread of
 the table's own. OpenMP keeps a thread team per calling thread, so one thread reuses one
@@ -56,6 +65,8 @@ from specdec.steps import Job, step_jobs
 DEFAULT_MAX_BATCH_SESSIONS: int = default("max-batch-sessions")
 DEFAULT_MAX_BATCH_ROWS: int = default("max-batch-rows")
 DEFAULT_MAX_BATCH_PREFILLS: int = default("max-batch-prefills")
+GATHER_FRACTION = 0.5  # of a typical forward: the longest wait for expected sessions
+EMA = 0.2  # weight of the newest sample in the forward-time and gap averages
 
 if TYPE_CHECKING:
     from specdec.telemetry.service import Telemetry
@@ -138,10 +149,14 @@ class BatchScheduler:
         self._executor = executor
         self._release = release
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._waiting: deque[_Call[Any]] = deque()  # no forward yet
         self._running: list[_Call[Any]] = []  # jobs with more steps to go
         self._driving = False
         self._closed = False
+        self._ended: dict[str, float] = {}  # session -> when its last call ended
+        self._gap_s: dict[str, float] = {}  # session -> average end-to-next-arrival
+        self._forward_s = 0.0  # moving average of a decode batch's seconds
 
     @property
     def queued(self) -> int:
@@ -167,6 +182,12 @@ class BatchScheduler:
             if self._closed:
                 raise ServiceUnavailable("the model service is stopping")
             self._waiting.append(call)
+            ended = self._ended.pop(session_id, None)
+            if ended is not None:
+                gap = call.enqueued - ended
+                old = self._gap_s.get(session_id)
+                self._gap_s[session_id] = gap if old is None else old + EMA * (gap - old)
+            self._arrived.notify()
             start = not self._driving
             self._driving = True
         if start:
@@ -216,6 +237,7 @@ class BatchScheduler:
         within the limits), then up to max_prefills prefills, each alone."""
         limits = self.limits
         with self._lock:
+            self._gather()
             running, self._running = self._running, []
             newcomers = list(self._waiting)
             self._waiting.clear()
@@ -248,6 +270,30 @@ class BatchScheduler:
             self._forward(batch)
         for call in prefills:
             self._forward([call])
+
+    def _gather(self) -> None:
+        """With the lock held and no job in progress: wait (at most GATHER_FRACTION of a
+        typical forward) for the sessions expected back by then."""
+        if self._running or self._forward_s <= 0.0:
+            return
+        now = time.perf_counter()
+        window = GATHER_FRACTION * self._forward_s
+        deadline = now + window
+        expected = set()
+        for session, ended in list(self._ended.items()):
+            gap = self._gap_s.get(session)
+            due = ended + gap if gap is not None else float("inf")
+            if now - window <= due <= deadline:  # due now or soon, a little late at most
+                expected.add(session)
+            elif due < now - window or now - ended > 4.0 * self._forward_s:
+                del self._ended[session]  # overdue: its generation has probably ended
+                self._gap_s.pop(session, None)
+        while expected and not self._closed and len(self._waiting) < self.limits.max_sessions:
+            expected.difference_update(call.session_id for call in self._waiting)
+            remaining = deadline - time.perf_counter()
+            if not expected or remaining <= 0:
+                return
+            self._arrived.wait(remaining)
 
     def _drop_gone(self, calls: list[_Call[Any]]) -> list[_Call[Any]]:
         kept = []
@@ -291,11 +337,18 @@ class BatchScheduler:
             outcomes = step_jobs(self.runner, jobs)
         except Exception as error:  # noqa: BLE001 - the forward itself failed: all its calls
             outcomes = [error] * len(batch)
+        ended = time.perf_counter()
+        if rows <= MAX_QUERY_ROWS * len(batch):  # a decode batch, not a prefill
+            seconds = ended - started
+            self._forward_s = (seconds if self._forward_s <= 0.0
+                               else self._forward_s + EMA * (seconds - self._forward_s))
         still = []
         for call, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 _fail(call, outcome)
             elif outcome:
+                with self._lock:  # before the caller can call again
+                    self._ended[call.session_id] = ended
                 try:
                     call.future.set_result((call.finish(call.job), call.batch))
                 except Exception as error:  # noqa: BLE001

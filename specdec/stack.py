@@ -28,10 +28,12 @@ import grpc
 
 from specdec.security import SecuritySettings, channel_credentials
 
-# The draft and target alternate on the same cores: OpenMP threads wait passively with a
+# The draft and target share the host's cores: OpenMP threads wait passively with a
 # short spin, which covers the gaps inside one forward without an idle service's threads
 # spinning against the busy one's.
 SERVICE_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
+TORCH_THREADS_FLAG = "--torch-threads"
+TORCH_THREADS_ENV = "SPECDEC_TORCH_THREADS"
 
 # Stop order: the coordinator first, so no new rounds reach the model services.
 ROLES = ("coordinator", "draft", "target")
@@ -47,6 +49,45 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def co_located_threads(cpus: int) -> dict[str, int]:
+    """Torch threads for a draft and a target on one host of `cpus` CPUs.
+
+    Under concurrent load their forwards overlap (each service batches its own sessions
+    on its own schedule). Two OpenMP pools that together hold more threads than CPUs
+    make each parallel region of either wait for a descheduled thread, which slows both
+    many times over, so the CPUs are split rather than shared: the draft, a small part
+    of the work, gets a quarter of them (at least one) and the target the rest."""
+    draft = max(1, cpus // 4)
+    return {"draft": draft, "target": max(1, cpus - draft)}
+
+
+def _last_value(args: Sequence[str], flag: str) -> str | None:
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == flag]
+    values += [arg.split("=", 1)[1] for arg in args if arg.startswith(flag + "=")]
+    return values[-1] if values else None
+
+
+def split_threads(service_args: Sequence[str], role_args: Mapping[str, Sequence[str]],
+                  env: Mapping[str, str], cpus: int) -> dict[str, list[str]]:
+    """role_args, plus co_located_threads for each model service whose torch threads
+    are left at 0 (auto) by its flags and the environment."""
+    out = {role: list(args) for role, args in role_args.items()}
+    split = co_located_threads(cpus)
+    for role, threads in split.items():
+        chosen = (_last_value(out.get(role, ()), TORCH_THREADS_FLAG)
+                  or _last_value(service_args, TORCH_THREADS_FLAG)
+                  or env.get(TORCH_THREADS_ENV) or "0")
+        if chosen.strip() == "0":
+            out[role] = [*out.get(role, ()), TORCH_THREADS_FLAG, str(threads)]
+    return out
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def die_with_parent() -> None:
@@ -230,7 +271,9 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     (die_with_parent) and reports ready through its ready file (announce_ready). The
     kernel ties a child to the thread that started it, so call this from a thread that
     outlives the stack (the main thread).
-    role_args / role_env: extra flags / environment for one role (they win).
+    role_args / role_env: extra flags / environment for one role (they win). A model
+    service whose torch threads are 0 (auto) gets its share of the host's CPUs
+    (co_located_threads).
     draft_after_target_s > 0: start the draft only once the target
     is healthy (waiting at most that long), because the draft times its precision choices
     as it loads (--draft-dtype auto), and timings taken beside the target's load pick
@@ -242,6 +285,7 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
     stack = Stack(host, ports, ready_dir=Path(tempfile.mkdtemp(prefix="specdec-ready-")))
     child_env = {**SERVICE_THREAD_ENV, **os.environ, **(env or {}),
                  PARENT_PID_ENV: str(os.getpid())}
+    role_args = split_threads(service_args, role_args or {}, child_env, host_cpus())
     group = 0  # the first child starts the group, the others join it
     stack.credentials = channel_credentials(SecuritySettings.from_environ(child_env))
     for role in ("target", "draft", "coordinator"):
@@ -252,7 +296,7 @@ def start_stack(host: str = "127.0.0.1", ports: dict[str, int] | None = None,
                 stack.stop()
                 raise
         command = [sys.executable, "-m", "specdec.cli", "serve", role, "--host", host,
-                   "--port", str(ports[role]), *service_args, *(role_args or {}).get(role, ())]
+                   "--port", str(ports[role]), *service_args, *role_args.get(role, ())]
         if role == "coordinator":
             command += ["--draft-endpoint", stack.endpoint("draft"),
                         "--target-endpoint", stack.endpoint("target")]

@@ -71,6 +71,8 @@ LOAD_RUNNING = "specdec.round.load.running"  # the coordinator's running generat
 # have (ALONE_LENGTH); a load-limited round with ASKED = 0 is speculation turned off.
 LOAD_LIMITED = "specdec.round.load_limited"
 ALONE_LENGTH = "specdec.round.alone_length"
+# True when the deployment's speculation gate turned drafting off for the round.
+GATED_OFF = "specdec.round.gated_off"
 
 # Rejection event.
 REJECT_POSITION = "specdec.position"  # absolute position of the rejected token

@@ -102,6 +102,7 @@ def load_attributes(policy: AdaptiveLength) -> dict[str, AttributeValue]:
         n.LOAD_SESSIONS: round(policy.load.sessions, 2),
         n.LOAD_OTHER_ROWS: round(policy.load.other_rows, 1),
         n.LOAD_LIMITED: policy.load_limited,
+        n.GATED_OFF: policy.gated_off,
     }
     if policy.running is not None:
         attributes[n.LOAD_RUNNING] = policy.running()

@@ -1,0 +1,28 @@
+"""`specdec up` splits the host's CPUs between the draft and the target (specdec.stack)."""
+
+from __future__ import annotations
+
+from specdec.stack import co_located_threads, split_threads
+
+
+def test_the_cpus_are_split_never_shared() -> None:
+    assert co_located_threads(2) == {"draft": 1, "target": 1}
+    assert co_located_threads(16) == {"draft": 4, "target": 12}
+    for cpus in range(2, 65):
+        split = co_located_threads(cpus)
+        assert split["draft"] >= 1 and split["draft"] + split["target"] == cpus
+    assert co_located_threads(1) == {"draft": 1, "target": 1}
+
+
+def test_auto_threads_get_the_split_and_explicit_ones_win() -> None:
+    auto = split_threads(["--torch-threads", "0"], {"coordinator": ["-v"]}, {}, 8)
+    assert auto == {"coordinator": ["-v"], "draft": ["--torch-threads", "2"],
+                    "target": ["--torch-threads", "6"]}
+    assert split_threads([], {}, {}, 2)["target"] == ["--torch-threads", "1"]
+    explicit = split_threads(["--torch-threads", "3"], {}, {}, 8)
+    assert explicit == {}
+    from_env = split_threads([], {}, {"SPECDEC_TORCH_THREADS": "2"}, 8)
+    assert from_env == {}
+    per_role = split_threads(["--torch-threads=0"], {"target": ["--torch-threads", "5"]},
+                             {}, 8)
+    assert per_role == {"target": ["--torch-threads", "5"], "draft": ["--torch-threads", "2"]}
