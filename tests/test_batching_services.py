@@ -461,3 +461,52 @@ def test_real_pair_concurrent_greedy_equals_serial_target_only() -> None:
     assert batched  # some forward held more than one session
     assert outputs == serial  # batching changes nothing
     assert outputs == expected
+
+
+class _OneRowJob:
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+
+    def request(self) -> object:
+        return type("Request", (), {"tokens": [0]})()
+
+    def take(self, result: object) -> bool:
+        return True
+
+
+def _share_of_shared_forwards(monkeypatch: pytest.MonkeyPatch, gather: float) -> float:
+    """Two sessions calling back to back, each returning 5 ms after its call ends, on a
+    scheduler whose forwards take 40 ms: the share of calls that shared a forward."""
+    from specdec import model_service
+
+    def slow_forward(runner: object, jobs: list[object]) -> list[bool]:
+        time.sleep(0.04)
+        return [True] * len(jobs)
+
+    monkeypatch.setattr(model_service, "step_jobs", slow_forward)
+    monkeypatch.setattr(model_service, "GATHER_FRACTION", gather)
+    executor = ThreadPoolExecutor(max_workers=1)
+    scheduler = model_service.BatchScheduler(None, executor, BatchLimits(), lambda _: None)  # type: ignore[arg-type]
+    sessions: list[int] = []
+
+    def client(name: str) -> None:
+        for _ in range(12):
+            _, batch = scheduler.submit(name, lambda: _OneRowJob(name), lambda job: None)
+            sessions.append(batch.sessions)
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=client, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.01)  # out of step from the start
+    for thread in threads:
+        thread.join(timeout=30)
+    executor.shutdown()
+    later = sessions[4:]  # once the scheduler has seen each session's gap
+    return sum(count == 2 for count in later) / len(later)
+
+
+def test_sessions_due_back_soon_share_the_next_forward(monkeypatch) -> None:
+    assert _share_of_shared_forwards(monkeypatch, 0.5) > 0.8
+    # Without the wait the two fall out of step and take turns.
+    assert _share_of_shared_forwards(monkeypatch, 0.0) < 0.5
