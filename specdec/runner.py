@@ -78,6 +78,7 @@ class ExtendRequest:
     hidden_rows: int = 0
     target_hidden: torch.Tensor | None = None  # [len(tokens), target hidden]
     branch_positions: tuple[int, ...] = ()
+    prefill_length: int = 0  # at committed_position 0: the tokens to prefill in one piece
 
 
 @dataclass(frozen=True)
@@ -425,7 +426,8 @@ class ModelRunner:
         chain_length = len(request.tokens) - len(request.branch_positions)
         positions = list(range(start, start + chain_length)) + list(request.branch_positions)
         return _Job(entry, start, positions, chain_length,
-                    self._pieces(len(request.tokens), request.num_logits))
+                    self._pieces(len(request.tokens), request.num_logits,
+                                 request.prefill_length if start == 0 else 0))
 
     def _run_alone(self, job: _Job, piece: tuple[int, int]) -> None:
         request = job.entry.request
@@ -515,7 +517,8 @@ class ModelRunner:
                 f"{committed_position} (fingerprint mismatch); re-send it from position 0")
         return session
 
-    def _pieces(self, num_tokens: int, num_logits: int) -> list[tuple[int, int]]:
+    def _pieces(self, num_tokens: int, num_logits: int,
+                prefill_length: int = 0) -> list[tuple[int, int]]:
         """The forwards one extend runs, as [begin, end) token ranges.
 
         One forward, except under the row-invariant kernels (attention "rowwise") when
@@ -525,11 +528,15 @@ class ModelRunner:
         prefill as target-only decoding and transformers' `generate` (the prompt), and
         every later token a decode-sized forward, which gives a row the same result
         whatever the row count: greedy output equals the target's own in reduced
-        precision too.
+        precision too. A session re-sent from position 0 (prefill_length > 0) replays
+        its first forward's prefill (the prompt) and then decode-sized forwards, which
+        rebuilds the cache its rounds built, bit for bit.
         """
         if not self._row_invariant or num_tokens <= MAX_QUERY_ROWS:
             return [(0, num_tokens)]
         prefix = num_tokens - num_logits + 1
+        if 0 < prefill_length < prefix:
+            prefix = prefill_length
         pieces = [(0, prefix)]
         for begin in range(prefix, num_tokens, MAX_QUERY_ROWS):
             pieces.append((begin, min(begin + MAX_QUERY_ROWS, num_tokens)))

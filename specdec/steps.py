@@ -212,7 +212,8 @@ class VerifyJob:
             num_logits=len(draft_tokens) + 1 + len(alternatives),
             hidden_rows=len(block) if return_hidden else 0,
             branch_positions=tuple(sync.next_position + depth - 1
-                                   for depth in alternatives.depths))
+                                   for depth in alternatives.depths),
+            prefill_length=sync.prefill_length)
         self._output: VerifyOutput | None = None
 
     @property
