@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec import wire
-from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import coordinator_pb2
 from specdec.sampling import SamplingParams
+from specdec.shapes import DECODE_ROWS
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,9 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
     num_alternatives = limits.default_alternatives if sampling.greedy else 0
     if request.HasField("speculation") and request.speculation.HasField("num_alternatives"):
         num_alternatives = request.speculation.num_alternatives
-        if not 0 <= num_alternatives <= MAX_QUERY_ROWS:
+        if not 0 <= num_alternatives <= DECODE_ROWS:
             raise InvalidRequest(f"speculation.num_alternatives must be in "
-                                 f"[0, {MAX_QUERY_ROWS}], got {num_alternatives}")
+                                 f"[0, {DECODE_ROWS}], got {num_alternatives}")
         if num_alternatives and not sampling.greedy:
             raise InvalidRequest("speculation.num_alternatives applies to greedy requests "
                                  "only (temperature 0); sampled requests verify a chain")

@@ -8,7 +8,6 @@ from concurrent.futures import Executor
 import grpc
 
 from specdec import wire
-from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
 from specdec.grpc_server import Service
 from specdec.grpc_status import rpc_errors
@@ -16,6 +15,7 @@ from specdec.model_service import BatchLimits, SessionTable
 from specdec.proto.specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.settings import default
+from specdec.shapes import DECODE_ROWS
 from specdec.steps import DraftJob, DraftOutput
 from specdec.telemetry.service import Telemetry
 
@@ -53,8 +53,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                  f"got {request.num_tokens}")
         if not 0.0 <= request.min_confidence <= 1.0:
             raise InvalidRequest(f"min_confidence must be in [0, 1], got {request.min_confidence}")
-        if not 0 <= request.num_alternatives <= MAX_QUERY_ROWS:
-            raise InvalidRequest(f"num_alternatives must be in [0, {MAX_QUERY_ROWS}], got "
+        if not 0 <= request.num_alternatives <= DECODE_ROWS:
+            raise InvalidRequest(f"num_alternatives must be in [0, {DECODE_ROWS}], got "
                                  f"{request.num_alternatives}")
         if self.runner.needs_target_hidden and not request.HasField("target_hidden_states"):
             raise InvalidRequest(

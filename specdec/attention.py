@@ -10,14 +10,14 @@ repeated per group. Each output row is the same softmax(q K^T + mask) V over the
 keys; only SDPA's blocking of query rows changes, as it already does with q.
 
 Registered with transformers' AttentionInterface as "specdec_grouped_sdpa"; queries of one
-row or more than MAX_QUERY_ROWS (a prefill) go to transformers' own SDPA function.
+row or more than DECODE_ROWS (a prefill) go to transformers' own SDPA function.
 
 "rowwise" ("specdec_rowwise_sdpa") is the kernel that makes a verification exact in
 reduced precision. SDPA's result for a query row depends on how many keys the call holds
 (its blocking of the key axis), not only on the keys the row may see: in bfloat16 the row
 of a verification and the same token decoded alone differ in the logits, and greedy
 speculative output leaves the target's own wherever two logits are that close. So every
-decode-sized call (1 to MAX_QUERY_ROWS rows) computes each row alone, over exactly its
+decode-sized call (1 to DECODE_ROWS rows) computes each row alone, over exactly its
 visible keys: the call a one-row decode of that token makes. A row's output is then the
 same whichever forward it was part of.
 
@@ -49,6 +49,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec.shapes import DECODE_ROWS
+
 NAME = "specdec_grouped_sdpa"
 ROWWISE_NAME = "specdec_rowwise_sdpa"
 # transformers' own SDPA function, registered under a name of ours so that it also runs
@@ -56,7 +58,6 @@ ROWWISE_NAME = "specdec_rowwise_sdpa"
 SDPA_NAME = "specdec_sdpa"
 PACKABLE = (NAME, ROWWISE_NAME, SDPA_NAME)  # implementations that run a PackedBatch
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
-MAX_QUERY_ROWS = 16
 KEY_BLOCK = 1
 # The forward kwarg that carries a PackedBatch down to the attention functions
 # (transformers passes a forward's extra kwargs through to them).
@@ -72,7 +73,7 @@ def grouped_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         return packing.attend(module, query, grouped_sdpa_forward, dropout, scaling, kwargs)
     groups = int(getattr(module, "num_key_value_groups", 1))
     batch, heads, q_length, head_dim = query.shape
-    if groups == 1 or not 1 < q_length <= MAX_QUERY_ROWS or kwargs.get("position_bias") \
+    if groups == 1 or not 1 < q_length <= DECODE_ROWS or kwargs.get("position_bias") \
             is not None or (attention_mask is not None and attention_mask.dim() != 4):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
@@ -108,7 +109,7 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     kv_heads, kv_length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     plan = None
-    if batch == 1 and q_length <= MAX_QUERY_ROWS and kwargs.get("position_bias") is None:
+    if batch == 1 and q_length <= DECODE_ROWS and kwargs.get("position_bias") is None:
         plan = _row_plan(attention_mask, q_length, kv_length, groups, query.device)
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from specdec.attention import MAX_QUERY_ROWS
 from specdec.kernels import OneDnnLinear
 from specdec.runner import ModelRunner
 from specdec.settings import COMPILE_CHOICES
+from specdec.shapes import DECODE_ROWS
 from specdec.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def decode_steps_compiled(eager: Callable[..., Any], compiled: Callable[..., Any
     - a session's first forward (no cache yet) is its own graph, again for 1, 2-16 and
       over 16 tokens; it runs once per request, so it stays eager, and so does the next
       one after a one-token prompt (dynamo specializes a cache length of 1);
-    - over MAX_QUERY_ROWS tokens attention takes another path (a catch-up after rounds
+    - over DECODE_ROWS tokens attention takes another path (a catch-up after rounds
       that verified prompt-lookup hits without the draft); rare, so eager too;
     - a crop (the rollback after a rejection) leaves a slice with the strides of the
       longer tensor, and a first forward stores keys in the layout attention made them
@@ -104,7 +104,7 @@ def decode_steps_compiled(eager: Callable[..., Any], compiled: Callable[..., Any
     def forward(*args: Any, **kwargs: Any) -> Any:
         layers = getattr(kwargs.get("cache"), "layers", None)
         input_ids = kwargs.get("input_ids")
-        if (not layers or input_ids is None or input_ids.shape[-1] > MAX_QUERY_ROWS
+        if (not layers or input_ids is None or input_ids.shape[-1] > DECODE_ROWS
                 or not all(getattr(layer, "is_initialized", False) for layer in layers)
                 or layers[0].keys.shape[-2] < 2):
             return eager(*args, **kwargs)

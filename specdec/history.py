@@ -23,7 +23,7 @@ def extend_fingerprint(fingerprint: int, token: int) -> int:
 class TokenHistory:
     """A token list that knows the fingerprint of each of its prefixes."""
 
-    __slots__ = ("tokens", "_fingerprints", "target_hidden")
+    __slots__ = ("tokens", "_fingerprints", "target_hidden", "prefill_length")
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.tokens: list[int] = []
@@ -32,6 +32,9 @@ class TokenHistory:
         # returns them for the positions it commits whenever this is present.
         self.target_hidden: HiddenStateLog | None = None
         self.extend(tokens)
+        # The tokens it was created with (a prompt): what a session's first forward
+        # prefills in one piece.
+        self.prefill_length = len(self.tokens)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -100,6 +103,9 @@ class SyncPoint:
     committed_position: int
     fingerprint: int
     append: list[int]
+    # At committed_position 0: the leading tokens the session's first forward prefilled
+    # (its prompt; 0: not known). A re-sent session replays its cache the same way.
+    prefill_length: int = 0
 
     @property
     def next_position(self) -> int:

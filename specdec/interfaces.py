@@ -125,7 +125,7 @@ class CacheMirror:
 
     def full_resync(self, session_id: str, committed: TokenHistory) -> SyncPoint:
         self.tokens = []
-        return SyncPoint(session_id, 0, 0, list(committed.tokens))
+        return SyncPoint(session_id, 0, 0, list(committed.tokens), committed.prefill_length)
 
     def record(self, committed: TokenHistory, speculative: list[int]) -> None:
         self.tokens = committed.tokens + speculative

@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import grpc
 import torch
 
-from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import ServiceUnavailable, SpecdecError
 from specdec.grpc_server import ServerHandle, Service, build_server
 from specdec.models import LoadedModel, load_causal_lm, resolve
@@ -60,6 +59,7 @@ from specdec.proto.specdec.v1 import common_pb2
 from specdec.runner import ModelRunner
 from specdec.security import check_session_cap
 from specdec.settings import default
+from specdec.shapes import DECODE_ROWS
 from specdec.steps import Job, step_jobs
 
 DEFAULT_MAX_BATCH_SESSIONS: int = default("max-batch-sessions")
@@ -253,7 +253,7 @@ class BatchScheduler:
         for call in newcomers:
             if not self._start(call):
                 continue
-            if call.rows > MAX_QUERY_ROWS or call.rows > limits.max_rows:
+            if call.rows > DECODE_ROWS or call.rows > limits.max_rows:
                 if len(prefills) < limits.max_prefills:
                     prefills.append(call)
                 else:
@@ -338,7 +338,7 @@ class BatchScheduler:
         except Exception as error:  # noqa: BLE001 - the forward itself failed: all its calls
             outcomes = [error] * len(batch)
         ended = time.perf_counter()
-        if rows <= MAX_QUERY_ROWS * len(batch):  # a decode batch, not a prefill
+        if rows <= DECODE_ROWS * len(batch):  # a decode batch, not a prefill
             seconds = ended - started
             self._forward_s = (seconds if self._forward_s <= 0.0
                                else self._forward_s + EMA * (seconds - self._forward_s))
@@ -491,7 +491,8 @@ def serving_runner(loaded: LoadedModel, *, target_vocab_size: int | None = None,
                    kv_budget_mb: int | None = None) -> ModelRunner:
     budget = kv_budget_mb * 1024 * 1024 if kv_budget_mb and kv_budget_mb > 0 else None
     return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,
-                       token_map=loaded.token_map, kv_budget_bytes=budget)
+                       token_map=loaded.token_map, kv_budget_bytes=budget,
+                       row_invariance=loaded.row_invariance)
 
 
 class ModelServicer(Protocol):

@@ -196,12 +196,16 @@ class LoadedModel:
     precision: str = ""  # "bfloat16, onednn linear, rowwise attention": what runs
     # Why verified rows may not equal one-row decodes bit for bit here (None: they do).
     row_invariance_caveat: str | None = None
-    # The backend's facts the runner, steps and servicers need, so that they import no
-    # kernel module: whether a row's result is independent of the forward it is in
-    # (then forwards longer than decode_rows are split into decode-sized pieces), and
-    # the most query rows a decode-sized forward holds.
+    # The backend's facts the runner needs, so that it imports no kernel module: whether a
+    # row's result is independent of the forward it is in (then extends longer than a
+    # decode-sized forward are split into decode-sized pieces), and the most rows one
+    # forward may hold so (None: no limit known).
     row_invariant: bool = False
-    decode_rows: int = 16
+    max_invariant_rows: int | None = None
+
+    @property
+    def row_invariance(self) -> tuple[bool, int | None]:
+        return self.row_invariant, self.max_invariant_rows
 
 
 def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,

@@ -35,17 +35,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdec.attention import (
-    MAX_QUERY_ROWS,
-    PACKABLE,
-    PACKING_KWARG,
-    ROWWISE_NAME,
-    PackedBatch,
-)
+from specdec.attention import PACKABLE, PACKING_KWARG, PackedBatch
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
 from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.history import TokenHistory
-from specdec.kernels import row_invariant_rows
+from specdec.shapes import DECODE_ROWS
 from specdec.vocab import VocabAdapter
 
 
@@ -78,6 +72,7 @@ class ExtendRequest:
     hidden_rows: int = 0
     target_hidden: torch.Tensor | None = None  # [len(tokens), target hidden]
     branch_positions: tuple[int, ...] = ()
+    prefill_length: int = 0  # at committed_position 0: the tokens to prefill in one piece
 
 
 @dataclass(frozen=True)
@@ -131,7 +126,10 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, target_vocab_size: int | None = None,
                  token_map: torch.Tensor | None = None, kv_budget_bytes: int | None = None,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None,
+                 row_invariance: tuple[bool, int | None] | None = None) -> None:
+        """row_invariance: the backend's (row_invariant, max_invariant_rows) for this
+        model (LoadedModel's); None: asked from specdec.backends.row_invariance."""
         self.model = model
         config = model.config
         self.device = next(model.parameters()).device
@@ -143,12 +141,16 @@ class ModelRunner:
         self._lock = threading.RLock()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.needs_target_hidden = is_feature_draft(model)
-        self._row_invariant = getattr(config, "_attn_implementation", None) == ROWWISE_NAME
-        # Under the row-invariant kernels, the most rows a forward may hold with every row
-        # getting the bits it gets alone (measured on this CPU, once per model); None
-        # otherwise, where batching is correct within float tolerance and only the
+        if row_invariance is None:  # not stated by the caller: ask the backends' seam
+            from specdec.backends.row_invariance import row_invariance as facts
+
+            row_invariance = facts(model)
+        # Whether a row's result is independent of the forward it is in, and then the
+        # most rows a forward may hold with every row getting the bits it gets alone;
+        # None otherwise, where batching is correct within float tolerance and only the
         # caller's batch-size setting limits it.
-        self.max_invariant_rows = row_invariant_rows(model) if self._row_invariant else None
+        self._row_invariant, max_invariant_rows = row_invariance
+        self.max_invariant_rows = max_invariant_rows if self._row_invariant else None
         # The most rows one packed forward holds; a larger batch is split, whole sessions
         # per forward.
         self.max_batch_rows = self.max_invariant_rows
@@ -378,7 +380,7 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 for job in jobs:
-                    join = packable and job.rows(job.pieces[-1]) <= MAX_QUERY_ROWS
+                    join = packable and job.rows(job.pieces[-1]) <= DECODE_ROWS
                     for piece in job.pieces[:-1] if join else job.pieces:
                         self._run_alone(job, piece)
                     if join:
@@ -425,7 +427,8 @@ class ModelRunner:
         chain_length = len(request.tokens) - len(request.branch_positions)
         positions = list(range(start, start + chain_length)) + list(request.branch_positions)
         return _Job(entry, start, positions, chain_length,
-                    self._pieces(len(request.tokens), request.num_logits))
+                    self._pieces(len(request.tokens), request.num_logits,
+                                 request.prefill_length if start == 0 else 0))
 
     def _run_alone(self, job: _Job, piece: tuple[int, int]) -> None:
         request = job.entry.request
@@ -515,7 +518,8 @@ class ModelRunner:
                 f"{committed_position} (fingerprint mismatch); re-send it from position 0")
         return session
 
-    def _pieces(self, num_tokens: int, num_logits: int) -> list[tuple[int, int]]:
+    def _pieces(self, num_tokens: int, num_logits: int,
+                prefill_length: int = 0) -> list[tuple[int, int]]:
         """The forwards one extend runs, as [begin, end) token ranges.
 
         One forward, except under the row-invariant kernels (attention "rowwise") when
@@ -525,14 +529,18 @@ class ModelRunner:
         prefill as target-only decoding and transformers' `generate` (the prompt), and
         every later token a decode-sized forward, which gives a row the same result
         whatever the row count: greedy output equals the target's own in reduced
-        precision too.
+        precision too. A session re-sent from position 0 (prefill_length > 0) replays
+        its first forward's prefill (the prompt) and then decode-sized forwards, which
+        rebuilds the cache its rounds built, bit for bit.
         """
-        if not self._row_invariant or num_tokens <= MAX_QUERY_ROWS:
+        if not self._row_invariant or num_tokens <= DECODE_ROWS:
             return [(0, num_tokens)]
         prefix = num_tokens - num_logits + 1
+        if 0 < prefill_length < prefix:
+            prefix = prefill_length
         pieces = [(0, prefix)]
-        for begin in range(prefix, num_tokens, MAX_QUERY_ROWS):
-            pieces.append((begin, min(begin + MAX_QUERY_ROWS, num_tokens)))
+        for begin in range(prefix, num_tokens, DECODE_ROWS):
+            pieces.append((begin, min(begin + DECODE_ROWS, num_tokens)))
         return pieces
 
     def _tree_mask(self, positions: list[int], start: int, begin: int, end: int,

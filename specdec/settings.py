@@ -134,7 +134,7 @@ _ALL = (
             "draft length adaptive requests start from; requests that do not set speculation "
             "are adaptive (0 = those run target-only)", SPECULATION, type=int),
     # Drafts longer than this make a verification more than a decode-sized forward
-    # (specdec.attention.MAX_QUERY_ROWS rows), whose cost then grows with its length.
+    # (specdec.shapes.DECODE_ROWS rows), whose cost then grows with its length.
     Setting("max-draft-tokens", 16,
             "most tokens drafted per round (a request asking more is rejected)",
             SPECULATION, type=int),

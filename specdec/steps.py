@@ -26,7 +26,6 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest, SpecdecError
 from specdec.history import (
     SyncPoint,  # noqa: F401  (re-exported for the services)
@@ -36,6 +35,7 @@ from specdec.rejection import NO_ALTERNATIVES, Alternatives, Verdict, verify
 from specdec.runner import ExtendRequest, ExtendResult, ModelRunner
 from specdec.sampling import Purpose, SamplingParams, draw, process_logits
 from specdec.settings import default
+from specdec.shapes import DECODE_ROWS
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,10 @@ DEFAULT_ALTERNATIVES: int = default("draft-alternatives")
 
 def alternatives_budget(num_draft_tokens: int, append_tokens: int = 2) -> int:
     """Most alternatives one verification takes beside k draft tokens: its rows stay
-    within a decode-sized forward (MAX_QUERY_ROWS), where the row-invariant kernels cost
+    within a decode-sized forward (DECODE_ROWS), where the row-invariant kernels cost
     about the same for any row count. append_tokens: the committed tokens a round usually
     re-sends (the last token, or an accepted alternative and the next token)."""
-    return max(0, MAX_QUERY_ROWS - append_tokens - num_draft_tokens)
+    return max(0, DECODE_ROWS - append_tokens - num_draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,8 @@ class VerifyJob:
             num_logits=len(draft_tokens) + 1 + len(alternatives),
             hidden_rows=len(block) if return_hidden else 0,
             branch_positions=tuple(sync.next_position + depth - 1
-                                   for depth in alternatives.depths))
+                                   for depth in alternatives.depths),
+            prefill_length=sync.prefill_length)
         self._output: VerifyOutput | None = None
 
     @property

@@ -50,7 +50,8 @@ def sampling_from_proto(message: common_pb2.SamplingParams,
 def sync_to_proto(sync: SyncPoint) -> common_pb2.SyncPoint:
     return common_pb2.SyncPoint(session_id=sync.session_id,
                                 committed_position=sync.committed_position,
-                                fingerprint=sync.fingerprint, append_tokens=sync.append)
+                                fingerprint=sync.fingerprint, append_tokens=sync.append,
+                                prefill_length=sync.prefill_length)
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, field: str) -> None:
@@ -65,8 +66,11 @@ def sync_from_proto(message: common_pb2.SyncPoint, vocab_size: int) -> SyncPoint
         raise InvalidRequest("sync.session_id is required")
     tokens = list(message.append_tokens)
     check_token_ids(tokens, vocab_size, "sync.append_tokens")
+    if message.prefill_length > len(tokens):
+        raise InvalidRequest(f"sync.prefill_length = {message.prefill_length} exceeds the "
+                             f"{len(tokens)} append_tokens")
     return SyncPoint(message.session_id, message.committed_position, message.fingerprint,
-                     tokens)
+                     tokens, message.prefill_length if message.committed_position == 0 else 0)
 
 
 # -- alternatives -----------------------------------------------------------------------

@@ -9,7 +9,6 @@ import grpc
 import torch
 
 from specdec import wire
-from specdec.attention import MAX_QUERY_ROWS
 from specdec.errors import InvalidRequest
 from specdec.grpc_server import Service
 from specdec.grpc_status import rpc_errors
@@ -17,6 +16,7 @@ from specdec.model_service import BatchLimits, SessionTable
 from specdec.proto.specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.settings import default
+from specdec.shapes import DECODE_ROWS
 from specdec.steps import VerifyJob, VerifyOutput
 from specdec.telemetry import names
 from specdec.telemetry.service import Telemetry
@@ -56,9 +56,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                  f"{self.max_draft_tokens}")
         wire.check_token_ids(draft_tokens, vocab, "draft_tokens")
         alternatives = wire.alternatives_from_proto(request.alternatives, vocab)
-        if len(alternatives) > MAX_QUERY_ROWS:
+        if len(alternatives) > DECODE_ROWS:
             raise InvalidRequest(f"alternatives holds {len(alternatives)} tokens, more than "
-                                 f"{MAX_QUERY_ROWS}")
+                                 f"{DECODE_ROWS}")
 
         def make_job() -> VerifyJob:
             # Tensor work stays on the model's thread (see BatchScheduler.submit).

@@ -13,7 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec import attention
 from specdec.attention import (
-    MAX_QUERY_ROWS,
+    DECODE_ROWS,
     NAME,
     SDPA_NAME,
     apply_attention_kernel,
@@ -41,7 +41,7 @@ def _attention_inputs(q_length: int) -> tuple[types.SimpleNamespace, torch.Tenso
     return module, query, key, value
 
 
-@pytest.mark.parametrize("q_length", [2, 3, 5, MAX_QUERY_ROWS, MAX_QUERY_ROWS + 1])
+@pytest.mark.parametrize("q_length", [2, 3, 5, DECODE_ROWS, DECODE_ROWS + 1])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "per_head", "none"])
 def test_grouped_attention_equals_transformers_sdpa(q_length: int, mask_kind: str) -> None:
     module, query, key, value = _attention_inputs(q_length)
@@ -57,7 +57,7 @@ def test_grouped_attention_equals_transformers_sdpa(q_length: int, mask_kind: st
         mask = None
     # Unmasked, the grouped path puts the queries at the end of the keys (decoding); longer
     # queries (a prefill) go to transformers' function unchanged, whatever it does.
-    grouped = q_length <= MAX_QUERY_ROWS
+    grouped = q_length <= DECODE_ROWS
     expected_mask = _causal_tail_mask(q_length, kv_length) if mask is None and grouped else mask
     expected, _ = sdpa_attention_forward(module, query, key, value, expected_mask, scaling=0.25)
     out, _ = grouped_sdpa_forward(module, query, key, value, mask, scaling=0.25)
@@ -65,7 +65,7 @@ def test_grouped_attention_equals_transformers_sdpa(q_length: int, mask_kind: st
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("q_length", [1, 2, 5, MAX_QUERY_ROWS, MAX_QUERY_ROWS + 1])
+@pytest.mark.parametrize("q_length", [1, 2, 5, DECODE_ROWS, DECODE_ROWS + 1])
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "padded"])
 def test_rowwise_attention_equals_transformers_sdpa(q_length: int, mask_kind: str) -> None:
     module, query, key, value = _attention_inputs(q_length)
@@ -75,7 +75,7 @@ def test_rowwise_attention_equals_transformers_sdpa(q_length: int, mask_kind: st
         mask[..., 3] = False  # not a plain causal tail: must fall back, not be ignored
     # Unmasked, decode-sized queries sit at the end of the keys; a prefill goes to
     # transformers' function unchanged, whatever it does.
-    expected_mask = causal if mask is None and q_length <= MAX_QUERY_ROWS else mask
+    expected_mask = causal if mask is None and q_length <= DECODE_ROWS else mask
     expected, _ = sdpa_attention_forward(module, query, key, value, expected_mask,
                                          scaling=0.25)
     out, _ = rowwise_sdpa_forward(module, query, key, value, mask, scaling=0.25)

@@ -57,13 +57,12 @@ def test_torch_backend_loads_stock_kernels(tiny_model_dir: Path) -> None:
 
 
 def test_cpu_tuned_backend_applies_row_invariant_kernels(tiny_model_dir: Path) -> None:
-    from specdec.attention import MAX_QUERY_ROWS
     from specdec.backends import CpuTunedBackend
     from specdec.runner import ModelRunner
 
     loaded = CpuTunedBackend(torch.device("cpu"), torch.bfloat16).load(str(tiny_model_dir))
     assert loaded.precision.endswith("rowwise attention")
-    assert loaded.row_invariant is True and loaded.decode_rows == MAX_QUERY_ROWS
+    assert loaded.row_invariant is True and loaded.max_invariant_rows is not None
     assert ModelRunner(loaded.model)._row_invariant is loaded.row_invariant
     stock = CpuTunedBackend(torch.device("cpu"), torch.float32, linear_kernel="torch",
                             attention_kernel="sdpa").load(str(tiny_model_dir))

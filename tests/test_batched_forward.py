@@ -19,10 +19,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from specdec import models
-from specdec.attention import MAX_QUERY_ROWS, apply_attention_kernel
+from specdec.attention import apply_attention_kernel
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
 from specdec.kernels import ROW_INVARIANCE_PROBE_CAP, apply_linear_kernel, row_invariant_rows
 from specdec.runner import ExtendRequest, ExtendResult, ModelRunner
+from specdec.shapes import DECODE_ROWS
 from tests.tiny_models import tiny_feature_draft, tiny_llama
 
 VOCAB = 64
@@ -134,7 +135,7 @@ def test_batched_rows_equal_rows_run_alone(dtype_name: str, bf16: PreTrainedMode
         requests = [_random_request(rng, batched, session_id) for session_id in members]
         with _counting_forwards(model) as calls:
             results = batched.extend_batch(requests)
-        decode_sized = sum(len(r.tokens) <= MAX_QUERY_ROWS for r in requests)
+        decode_sized = sum(len(r.tokens) <= DECODE_ROWS for r in requests)
         packed_forwards += decode_sized > 1 and len(calls) < len(requests)
         for request, result in zip(requests, results, strict=True):
             assert isinstance(result, ExtendResult), result
@@ -277,7 +278,7 @@ def test_the_same_session_twice_in_one_batch_is_refused(bf16: PreTrainedModel) -
 
 def test_row_invariance_is_measured_for_the_onednn_kernel_only(bf16: PreTrainedModel) -> None:
     cap = ModelRunner(bf16).max_invariant_rows
-    assert cap is not None and MAX_QUERY_ROWS <= cap <= ROW_INVARIANCE_PROBE_CAP
+    assert cap is not None and DECODE_ROWS <= cap <= ROW_INVARIANCE_PROBE_CAP
     assert row_invariant_rows(bf16) == cap  # measured once, remembered on the model
     assert row_invariant_rows(_tiny("float32")) is None  # skinny: no such guarantee
     assert ModelRunner(_tiny("float32")).max_invariant_rows is None
@@ -324,7 +325,7 @@ def test_real_target_batched_rows_equal_alone_up_to_the_cap_and_split_beyond(
     model = target_bf16.model
     batched, alone = ModelRunner(model), ModelRunner(model)
     cap = batched.max_invariant_rows
-    assert cap is not None and cap >= MAX_QUERY_ROWS
+    assert cap is not None and cap >= DECODE_ROWS
     generator = torch.Generator().manual_seed(3)
     sessions = 12
     for index in range(sessions):  # different prompts of different lengths

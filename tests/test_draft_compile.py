@@ -15,7 +15,6 @@ import torch
 import torch._dynamo.utils
 from tiny_models import tiny_llama
 
-from specdec.attention import MAX_QUERY_ROWS
 from specdec.draft_compile import (
     ONEDNN_REASON,
     DraftCompileError,
@@ -26,6 +25,7 @@ from specdec.draft_compile import (
 from specdec.kernels import apply_linear_kernel
 from specdec.models import DEFAULT_DRAFT, load_causal_lm
 from specdec.runner import ModelRunner
+from specdec.shapes import DECODE_ROWS
 
 CPU = torch.device("cpu")
 TARGET_VOCAB = 49152
@@ -60,7 +60,7 @@ def decode_like_a_draft(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
             fingerprint = runner._sessions["s"].history.fingerprint(committed)
             # Round 5 catches up after rounds of prompt-lookup hits: more tokens than a
             # decode-sized forward.
-            width = MAX_QUERY_ROWS + 5 if round_index == 5 else rng.randrange(1, 4)
+            width = DECODE_ROWS + 5 if round_index == 5 else rng.randrange(1, 4)
             catch_up = [rng.randrange(4096) for _ in range(width)]
             logits.append(runner.extend("s", committed, fingerprint, catch_up).logits)
             for _ in range(rng.randrange(0, 4)):
@@ -119,7 +119,7 @@ def test_decode_steps_go_compiled_with_a_canonical_cache_the_rest_eager() -> Non
     assert forward(input_ids=torch.zeros(1, 2, dtype=torch.long), cache=cache) == "compiled"
     assert calls[-1][1] == [(72, 24, 4, 1), (12, 4, 4, 1)] * 2
     assert cache.layers[0].keys.shape == (1, 3, 6, 4)
-    long_catch_up = torch.zeros(1, MAX_QUERY_ROWS + 1, dtype=torch.long)
+    long_catch_up = torch.zeros(1, DECODE_ROWS + 1, dtype=torch.long)
     assert forward(input_ids=long_catch_up, cache=cache) == "eager"
     one_token = Cache()
     one_token.layers[0].keys = torch.zeros(1, 3, 1, 4)  # after a one-token prompt

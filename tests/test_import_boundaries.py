@@ -16,6 +16,13 @@ CORE = ["specdec.sampling", "specdec.rejection", "specdec.history", "specdec.loo
 CORE_FORBIDDEN = ["grpc", "specdec.proto", "specdec.cli", "specdec.commands", "specdec.bench",
                   "specdec.steps", "specdec.runner", "specdec.kernels", "specdec.attention",
                   "specdec.model_service", "transformers"]
+# The runner's logic, the steps, the scheduler, the servicers and the coordinator reach
+# hardware-specific tuning only through the backends' seam (LoadedModel's facts).
+MODEL_SIDE = ["specdec.runner", "specdec.steps", "specdec.model_service",
+              "draft_service.servicer", "target_service.servicer", "coordinator.validation",
+              "coordinator.servicer"]
+TUNING = ["specdec.kernels", "specdec.draft_precision", "specdec.draft_compile",
+          "specdec.backends"]
 LIGHT = ["specdec.settings", "specdec.config", "specdec.commands.serve",
          "specdec.commands.settings"]
 HEAVY = ["torch", "transformers", "grpc"]
@@ -34,6 +41,10 @@ def offending(modules: list[str], forbidden: list[str]) -> list[str]:
 
 def test_core_imports_no_transport_cli_or_bench() -> None:
     assert offending(imported_by(*CORE), CORE_FORBIDDEN) == []
+
+
+def test_the_model_side_imports_no_hardware_tuning() -> None:
+    assert offending(imported_by(*MODEL_SIDE), TUNING) == []
 
 
 def test_settings_and_service_flags_import_nothing_heavy() -> None:

@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec import models
-from specdec.attention import MAX_QUERY_ROWS, resolve_attention
+from specdec.attention import resolve_attention
 from specdec.kernels import ONEDNN_MIN_ROWS, OneDnnLinear, resolve_kernel
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.runner import ModelRunner
+from specdec.runner import ExtendRequest, ModelRunner
+from specdec.shapes import DECODE_ROWS
 
 CPU = torch.device("cpu")
 
@@ -53,14 +54,14 @@ def test_onednn_linear_equals_f_linear(dtype: torch.dtype, rows: int, bias: bool
 def test_onednn_linear_row_result_is_independent_of_row_count(dtype: torch.dtype,
                                                               in_features: int) -> None:
     # Every row count a decode-sized forward of one session can have (the runner cuts
-    # longer extends into pieces of at most MAX_QUERY_ROWS). Beyond that the cap depends
+    # longer extends into pieces of at most DECODE_ROWS). Beyond that the cap depends
     # on the CPU (an Intel host with AMX sums 33 or more rows in another order): the
     # runner measures it at load (specdec.kernels.row_invariant_rows) and splits batches.
     layer = _onednn_layer(in_features, 192, dtype)
-    x = torch.randn(MAX_QUERY_ROWS, in_features).to(dtype)
+    x = torch.randn(DECODE_ROWS, in_features).to(dtype)
     with torch.inference_mode():
         alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
-        for rows in range(2, MAX_QUERY_ROWS + 1):
+        for rows in range(2, DECODE_ROWS + 1):
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
@@ -180,12 +181,52 @@ def test_token_tree_branches_match_decoded_rows_with_the_other_kernels(kernel: s
 def test_long_extend_runs_the_prompt_as_one_prefill_and_the_draft_in_decode_forwards() -> None:
     runner = types.SimpleNamespace(_row_invariant=True)
     pieces = ModelRunner._pieces
-    assert pieces(runner, MAX_QUERY_ROWS, 3) == [(0, MAX_QUERY_ROWS)]  # type: ignore[arg-type]
+    assert pieces(runner, DECODE_ROWS, 3) == [(0, DECODE_ROWS)]  # type: ignore[arg-type]
     assert pieces(runner, 60, 1) == [(0, 60)]  # type: ignore[arg-type]
     assert pieces(runner, 60, 5) == [(0, 56), (56, 60)]  # type: ignore[arg-type]
     assert pieces(runner, 60, 21) == [(0, 40), (40, 56), (56, 60)]  # type: ignore[arg-type]
+    # A session re-sent from position 0 replays its prompt's prefill, then decode pieces.
+    assert pieces(runner, 60, 5, 20) == [(0, 20), (20, 36), (36, 52), (52, 60)]  # type: ignore[arg-type]
+    assert pieces(runner, 60, 5, 58) == [(0, 56), (56, 60)]  # type: ignore[arg-type]
     runner._row_invariant = False
     assert pieces(runner, 60, 5) == [(0, 60)]  # type: ignore[arg-type]
+    assert pieces(runner, 60, 5, 20) == [(0, 60)]  # type: ignore[arg-type]
+
+
+def _moved_session_logits(runner: ModelRunner, prefill_length: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A session decodes 24 tokens after a 40-token prompt (rounds of 1 to 5 tokens), then
+    verifies a 4-token block; the same block verified by a session re-sent from position
+    0 (a replica that lost the cache), prefilling `prefill_length` tokens first."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 49152, (40,), generator=generator).tolist()
+    generated = torch.randint(0, 49152, (24,), generator=generator).tolist()
+    block = torch.randint(0, 49152, (4,), generator=generator).tolist()
+    runner.extend("kept", 0, 0, prompt)
+    position = len(prompt)
+    for size in (1, 5, 3, 1, 2, 4, 5, 3):
+        history = runner._sessions["kept"].history
+        runner.extend("kept", position, history.fingerprint(position),
+                      generated[position - 40:position - 40 + size])
+        position += size
+    history = runner._sessions["kept"].history
+    kept = runner.extend("kept", position, history.fingerprint(position), block,
+                         num_logits=len(block)).logits
+    moved = runner.extend_batch([ExtendRequest(
+        "moved", 0, 0, prompt + generated + block, num_logits=len(block),
+        prefill_length=prefill_length)])[0]
+    assert not isinstance(moved, Exception)
+    return kept, moved.logits
+
+
+@pytest.mark.slow
+def test_a_session_re_sent_from_position_0_gets_its_cache_back_bit_for_bit(
+        target_bf16: models.LoadedModel) -> None:
+    kept, moved = _moved_session_logits(ModelRunner(target_bf16.model), 40)
+    assert torch.equal(kept, moved)
+    # The control: the whole history in one prefill rounds differently.
+    kept, moved = _moved_session_logits(ModelRunner(target_bf16.model), 0)
+    assert not torch.equal(kept, moved)
 
 
 @pytest.mark.slow

@@ -157,3 +157,16 @@ def test_health_and_reflection_with_grpcurl() -> None:
     finally:
         handle.stop(0)
     assert not check_health(handle.address)
+
+
+def test_a_sync_point_carries_its_prefill_length_and_a_bad_one_is_rejected() -> None:
+    from specdec.history import SyncPoint
+    from specdec.wire import sync_from_proto, sync_to_proto
+
+    resent = SyncPoint("s", 0, 0, [1, 2, 3, 4], prefill_length=3)
+    assert sync_from_proto(sync_to_proto(resent), 8) == resent
+    # Past position 0 the cache already holds the prefill: the field means nothing there.
+    later = sync_to_proto(SyncPoint("s", 4, 7, [5], prefill_length=1))
+    assert sync_from_proto(later, 8).prefill_length == 0
+    with pytest.raises(InvalidRequest, match="sync.prefill_length"):
+        sync_from_proto(sync_to_proto(SyncPoint("s", 0, 0, [1], prefill_length=2)), 8)

@@ -4,8 +4,8 @@ The cpu-tuned backend owns what is specific to CPUs: the row-invariant linear an
 attention kernels, the draft's precision and compile choice measured at load, and the
 OpenMP thread count. The torch backend (CUDA and anything else) loads models with
 transformers' stock kernels. The rest of the system reads what it needs as plain facts
-on the loaded model (LoadedModel.row_invariant, decode_rows), so a new backend slots in
-here without touching the runner, the steps or the servicers.
+on the loaded model (LoadedModel.row_invariance, from specdec.backends.row_invariance),
+so a new backend slots in here without touching the runner, the steps or the servicers.
 
 `--backend auto` (SPECDEC_BACKEND) picks cpu-tuned on a CPU and torch elsewhere; the
 fine knobs (--linear-kernel, --attention-kernel, --draft-dtype, --draft-linear-kernel,

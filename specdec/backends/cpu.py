@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specdec.backends.base import Backend, DraftChoice
+from specdec.backends.row_invariance import row_invariance
 from specdec.models import LoadedModel, load_pretrained, row_invariance_caveat
 
 
@@ -37,7 +38,7 @@ class CpuTunedBackend(Backend):
             torch.set_num_threads(self.torch_threads)
 
     def load(self, name_or_path: str, *, progress: bool = False) -> LoadedModel:
-        from specdec.attention import MAX_QUERY_ROWS, apply_attention_kernel
+        from specdec.attention import apply_attention_kernel
         from specdec.kernels import apply_linear_kernel
 
         loaded = load_pretrained(name_or_path, self.device, self.dtype, progress)
@@ -47,8 +48,7 @@ class CpuTunedBackend(Backend):
                             f"{attention} attention")
         loaded.row_invariance_caveat = row_invariance_caveat(self.device, self.dtype, linear,
                                                              attention)
-        loaded.row_invariant = attention == "rowwise"
-        loaded.decode_rows = MAX_QUERY_ROWS
+        loaded.row_invariant, loaded.max_invariant_rows = row_invariance(loaded.model)
         return loaded
 
     def load_draft(self, name_or_path: str, *, target_vocab_size: int | None,

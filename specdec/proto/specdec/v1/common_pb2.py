@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"g\n\tSyncPoint\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63ommitted_position\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\x04\x12\x15\n\rappend_tokens\x18\x04 \x03(\x05\"j\n\nDraftProbs\x12\'\n\x05\x64\x65nse\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DenseProbsH\x00\x12)\n\x06sparse\x18\x02 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x42\x08\n\x06layout\"B\n\nDenseProbs\x12\x10\n\x08num_rows\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x12\n\ncolumn_ids\x18\x03 \x01(\x0c\"?\n\x0bSparseProbs\x12\x13\n\x0brow_lengths\x18\x01 \x03(\r\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"E\n\x0cHiddenStates\x12\x10\n\x08num_rows\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\".\n\x0c\x41lternatives\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x02 \x03(\r\"W\n\tBatchInfo\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x1a\n\x12queue_wait_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06queued\x18\x04 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x7f\n\tSyncPoint\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63ommitted_position\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\x04\x12\x15\n\rappend_tokens\x18\x04 \x03(\x05\x12\x16\n\x0eprefill_length\x18\x05 \x01(\r\"j\n\nDraftProbs\x12\'\n\x05\x64\x65nse\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DenseProbsH\x00\x12)\n\x06sparse\x18\x02 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x42\x08\n\x06layout\"B\n\nDenseProbs\x12\x10\n\x08num_rows\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x12\n\ncolumn_ids\x18\x03 \x01(\x0c\"?\n\x0bSparseProbs\x12\x13\n\x0brow_lengths\x18\x01 \x03(\r\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"E\n\x0cHiddenStates\x12\x10\n\x08num_rows\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\".\n\x0c\x41lternatives\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0e\n\x06\x64\x65pths\x18\x02 \x03(\r\"W\n\tBatchInfo\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x1a\n\x12queue_wait_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06queued\x18\x04 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=39
   _globals['_SAMPLINGPARAMS']._serialized_end=149
   _globals['_SYNCPOINT']._serialized_start=151
-  _globals['_SYNCPOINT']._serialized_end=254
-  _globals['_DRAFTPROBS']._serialized_start=256
-  _globals['_DRAFTPROBS']._serialized_end=362
-  _globals['_DENSEPROBS']._serialized_start=364
-  _globals['_DENSEPROBS']._serialized_end=430
-  _globals['_SPARSEPROBS']._serialized_start=432
-  _globals['_SPARSEPROBS']._serialized_end=495
-  _globals['_HIDDENSTATES']._serialized_start=497
-  _globals['_HIDDENSTATES']._serialized_end=566
-  _globals['_ALTERNATIVES']._serialized_start=568
-  _globals['_ALTERNATIVES']._serialized_end=614
-  _globals['_BATCHINFO']._serialized_start=616
-  _globals['_BATCHINFO']._serialized_end=703
+  _globals['_SYNCPOINT']._serialized_end=278
+  _globals['_DRAFTPROBS']._serialized_start=280
+  _globals['_DRAFTPROBS']._serialized_end=386
+  _globals['_DENSEPROBS']._serialized_start=388
+  _globals['_DENSEPROBS']._serialized_end=454
+  _globals['_SPARSEPROBS']._serialized_start=456
+  _globals['_SPARSEPROBS']._serialized_end=519
+  _globals['_HIDDENSTATES']._serialized_start=521
+  _globals['_HIDDENSTATES']._serialized_end=590
+  _globals['_ALTERNATIVES']._serialized_start=592
+  _globals['_ALTERNATIVES']._serialized_end=638
+  _globals['_BATCHINFO']._serialized_start=640
+  _globals['_BATCHINFO']._serialized_end=727
 # @@protoc_insertion_point(module_scope)

@@ -75,10 +75,17 @@ class SyncPoint(_message.Message):
     COMMITTED_POSITION_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     APPEND_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_LENGTH_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     committed_position: _builtins.int
     fingerprint: _builtins.int
     """specdec.history fingerprint of the first committed_position tokens (0 at position 0)."""
+    prefill_length: _builtins.int
+    """At committed_position 0: how many leading tokens the session's first forward took
+    in one prefill (its prompt). The service prefills those, then runs the rest in
+    decode-sized forwards, so that a session re-sent to a new replica gets the very cache
+    it had, bit for bit, where the kernels are row-invariant. 0: not known.
+    """
     @_builtins.property
     def append_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -88,10 +95,11 @@ class SyncPoint(_message.Message):
         committed_position: _builtins.int = ...,
         fingerprint: _builtins.int = ...,
         append_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        prefill_length: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_tokens", b"append_tokens", "committed_position", b"committed_position", "fingerprint", b"fingerprint", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_tokens", b"append_tokens", "committed_position", b"committed_position", "fingerprint", b"fingerprint", "prefill_length", b"prefill_length", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

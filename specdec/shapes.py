@@ -1,0 +1,12 @@
+"""The shape every layer agrees on: a decode-sized forward.
+
+A forward of at most DECODE_ROWS query rows per session is decode-sized: a round's
+catch-up tokens, draft chain and alternatives fit in one. The attention kernels choose
+their path by it, the runner runs longer extends as one prefill plus decode-sized
+pieces, the batch scheduler treats a longer call as a prefill, and the services cap a
+request's alternatives by it.
+"""
+
+from __future__ import annotations
+
+DECODE_ROWS = 16
