@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
+import sys
 
 from specdec.settings import (
     ADDRESS_SETTINGS,
@@ -69,4 +72,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.role} serving on {handle.address}", flush=True)
     announce_ready(handle.address)  # for a parent `specdec up`: this process is serving
     serve_until_signal(handle, args.grace_s, work)
-    return 0
+    # Stopped: flush the last spans and skip the interpreter's teardown of torch and
+    # transformers, which on a busy host can outlast a supervisor's stop timeout.
+    telemetry.flush()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
