@@ -13,8 +13,9 @@ generation the coordinator runs. Arms are kept per load level (running generatio
 powers of two: 1, 2-3, 4-7, 8-15, ...), each an exponential moving average over epochs.
 Per level it plays the arm with the higher rate and re-tests the other every
 `explore_every` epochs, an interval that doubles (to `max_explore_every`) while the
-re-test confirms the choice and falls back when it does not. A level without data
-starts from the nearest lower level's choice, since drafting pays less as load grows.
+re-test confirms the choice and falls back when it does not. Until each arm has
+MIN_EPOCHS epochs at a level the arm with fewer is played, first the nearest lower
+level's choice (drafting pays less as load grows).
 
 An epoch counts only if the load level held for all of it, only adaptive sessions
 produced tokens in it (a fixed-length request is the client's choice, not the gate's),
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 # An epoch spans a few rounds of every running session, so that its rate is a fair
 # sample; longer epochs adapt more slowly when the load changes.
 DEFAULT_EPOCH_S = 1.0
+# Epochs each arm needs at a level before the faster one is played: one epoch can hold
+# a burst of new prompts' prefills.
+MIN_EPOCHS = 2
 # An epoch that ran longer than this many epoch lengths spanned an idle gap: not a sample.
 IDLE_FACTOR = 3.0
 
@@ -63,8 +67,8 @@ class Level:
     since_explore: int = 0
 
     def winner(self) -> bool | None:
-        """True: drafting on wins; None: an arm has no epoch yet."""
-        if not self.on.epochs or not self.off.epochs:
+        """True: drafting on wins; None: an arm has fewer than MIN_EPOCHS epochs."""
+        if min(self.on.epochs, self.off.epochs) < MIN_EPOCHS:
             return None
         return self.on.rate >= self.off.rate
 
@@ -158,9 +162,9 @@ class SpeculationGate:
 
     def _choose(self, state: Level) -> bool:
         winner = state.winner()
-        if winner is None:
-            if state.on.epochs or state.off.epochs:  # one arm measured: try the other
-                return not state.on.epochs
+        if winner is None:  # measure the arm with fewer epochs, the prior's first
+            if state.on.epochs != state.off.epochs:
+                return state.on.epochs < state.off.epochs
             return self._prior(self._level)
         state.since_explore += 1
         if state.since_explore > state.explore_every:
