@@ -9,6 +9,9 @@ Roles and what each checks:
   API key from `--api-keys-file` instead); its channels to draft and target verify the
   services' certificates against `--tls-ca-file` and present
   `--tls-client-cert-file` / `--tls-client-key-file`.
+- HTTP API (`specdec http`): HTTPS with `--tls-cert-file` / `--tls-key-file`; its channel
+  to the coordinator verifies the coordinator's certificate against `--tls-ca-file`, and
+  forwards each caller's `Authorization` header, so the coordinator's API keys apply.
 
 Every setting is a flag `--x-y` with the environment variable SPECDEC_X_Y, so
 `specdec up` hands one set to all three processes through their environment.
@@ -23,7 +26,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +147,25 @@ def channel_credentials(settings: SecuritySettings) -> grpc.ChannelCredentials |
                      if settings.tls_client_key_file else None),
         certificate_chain=(_read(settings.tls_client_cert_file, "TLS client cert")
                            if settings.tls_client_cert_file else None))
+
+
+def caller_settings(settings: SecuritySettings) -> SecuritySettings:
+    """The settings of a process's calls to the coordinator (the HTTP API): TLS with a CA
+    or a client certificate, plaintext otherwise; serving TLS itself does not make its
+    calls TLS. channel_credentials and channel_options take the result."""
+    return replace(settings, tls_cert_file="", tls_key_file="")
+
+
+def https_files(settings: SecuritySettings) -> tuple[str, str] | None:
+    """The certificate and key file an HTTPS server presents, or None for plain HTTP."""
+    if not settings.tls:
+        return None
+    if not (settings.tls_cert_file and settings.tls_key_file):
+        raise ValueError("TLS needs both --tls-cert-file and --tls-key-file "
+                         "(SPECDEC_TLS_CERT_FILE, SPECDEC_TLS_KEY_FILE)")
+    _read(settings.tls_cert_file, "TLS cert")
+    _read(settings.tls_key_file, "TLS key")
+    return settings.tls_cert_file, settings.tls_key_file
 
 
 def message_options(max_bytes: int) -> list[tuple[str, Any]]:

@@ -211,14 +211,17 @@ _ALL = (
     Setting("tls-key-file", "", "PEM private key of --tls-cert-file", SECURITY),
     Setting("tls-ca-file", "",
             "PEM CA: draft and target require client certificates it signed (mutual TLS); "
-            "the coordinator verifies the services' certificates against it", SECURITY),
+            "the coordinator verifies the services' certificates against it, the HTTP API "
+            "the coordinator's (and calls it over TLS)", SECURITY),
     Setting("tls-client-cert-file", "",
-            "coordinator: PEM client certificate presented to draft and target", SECURITY),
-    Setting("tls-client-key-file", "", "coordinator: PEM private key of --tls-client-cert-file",
-            SECURITY),
+            "coordinator, HTTP API: PEM client certificate presented to the services it "
+            "calls", SECURITY),
+    Setting("tls-client-key-file", "",
+            "coordinator, HTTP API: PEM private key of --tls-client-cert-file", SECURITY),
     Setting("tls-server-name", "",
-            "coordinator: the name the services' certificates must carry (empty = the host "
-            "of each endpoint; set it when endpoints are pod addresses)", SECURITY),
+            "coordinator, HTTP API: the name the certificates of the services it calls must "
+            "carry (empty = the host of each endpoint; set it when endpoints are pod "
+            "addresses)", SECURITY),
     Setting("api-keys-file", "",
             "coordinator: file of API keys, one per line, '#' comments; every Coordinator "
             "call then needs metadata 'authorization: Bearer <key>'; re-read when it "
@@ -262,6 +265,10 @@ SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-
 ADDRESS_SETTINGS = ("host", "port", "draft-endpoint", "target-endpoint")
 TELEMETRY_SETTINGS = tuple(s.name for s in _ALL if s.group == TELEMETRY)
 SECURITY_SETTINGS = tuple(s.name for s in _ALL if s.group == SECURITY)
+# Those of `specdec http`: it serves TLS and calls the coordinator (API keys are the
+# coordinator's: the HTTP API forwards the caller's Authorization header).
+HTTP_SECURITY_SETTINGS = ("tls-cert-file", "tls-key-file", "tls-ca-file",
+                          "tls-client-cert-file", "tls-client-key-file", "tls-server-name")
 
 
 def default(name: str) -> Any:

@@ -41,6 +41,9 @@ class Services:
     target_kv_budget_bytes: int | None = None
     draft_token_map: torch.Tensor | None = None  # reduced-vocabulary draft
     draft_precision_text: str = ""  # what Draft.Describe reports
+    # build_server's keyword arguments for the coordinator (specdec.security.server_options:
+    # TLS, API keys); self.stub is plaintext, so it serves only a coordinator without them.
+    coordinator_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.draft: DraftServicer | None = None
@@ -56,7 +59,8 @@ class Services:
             target_info(self.target_model, self.eos),
             StaticEndpoints(f"127.0.0.1:{self.target_port}", draft_endpoint),
             settings=self.settings, tokenizer=self.tokenizer, channels=self.channels)
-        self.coordinator_server = build_server([self.coordinator.service()])
+        self.coordinator_server = build_server([self.coordinator.service()],
+                                               **self.coordinator_options)
         self.channel = grpc.insecure_channel(self.coordinator_server.address)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 

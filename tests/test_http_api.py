@@ -221,6 +221,16 @@ def test_stop_strings_cut_plain_and_streamed_text(stack: Stack) -> None:
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_an_authorization_header_reaches_a_coordinator_without_keys(stack: Stack) -> None:
+    # Not ASCII, so not sendable as gRPC metadata: dropped, and no key is required here.
+    request = urllib.request.Request(
+        stack.url + "/v1/completions", method="POST",
+        data=json.dumps(greedy(prompt="Hi", max_tokens=2)).encode(),
+        headers={"content-type": "application/json", "authorization": "Bearer caf\u00e9"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.status == 200 and json.loads(reply.read())["choices"]
+
+
 def test_models_and_health(stack: Stack) -> None:
     assert [m.id for m in stack.client.models.list()] == [MODEL]
     status, body = raw(stack.url + "/health", method="GET")

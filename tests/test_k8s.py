@@ -274,6 +274,21 @@ def test_secure_overlay_mounts_certificates_and_keys() -> None:
         assert service["ports"][0]["appProtocol"] == "grpc"  # TLS, not h2c
 
 
+def test_secure_overlay_serves_the_http_api_over_https() -> None:
+    objects = docs(K8S / "overlays" / "secure")
+    pod = find(objects, "Deployment", "specdec-http")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    # The ConfigMap's TLS settings (certificate, CA, server name) reach it, and the files.
+    assert container["envFrom"][0]["configMapRef"]["name"].startswith("specdec-config")
+    assert {"SPECDEC_TLS_CERT_FILE", "SPECDEC_TLS_CA_FILE",
+            "SPECDEC_TLS_SERVER_NAME"} <= config(objects).keys()
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["tls"]["mountPath"] == "/etc/specdec/tls"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    assert find(objects, "Service", "specdec-http")["spec"]["ports"][0]["appProtocol"] == "https"
+
+
 def test_cert_manager_component_issues_the_secrets_tls_reads(tmp_path: Path) -> None:
     overlay = tmp_path / "overlay"
     overlay.mkdir()

@@ -1,16 +1,21 @@
-"""`specdec up --secure` as real processes with tiny models: every open path refused, the
-right key and certificates served, and the key in no log, trace file or /metrics page."""
+"""`specdec up --secure` as real processes with tiny models: every open path refused (the
+HTTP API's too), the right key and certificates served, and the key in no log, trace file
+or /metrics page."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 import torch
 from tiny_models import save_tiny_pair
@@ -43,7 +48,7 @@ def code_of(fn: object) -> grpc.StatusCode:
 
 def test_up_secure_has_no_open_path(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
     target, draft = tiny_pair
-    ports = {role: free_port() for role in ("coordinator", "draft", "target")}
+    ports = {role: free_port() for role in ("coordinator", "draft", "target", "http")}
     logs, traces = tmp_path / "logs", tmp_path / "traces"
     env = {**os.environ, "SPECDEC_TORCH_THREADS": "1", "SPECDEC_METRICS_PORT": "0",
            "SPECDEC_TRACING": "on", "SPECDEC_TRACE_DIR": str(traces),
@@ -53,7 +58,7 @@ def test_up_secure_has_no_open_path(tiny_pair: tuple[Path, Path], tmp_path: Path
     up = subprocess.Popen(
         [*SPECDEC, "up", "--secure", "--target-model", str(target), "--draft-model", str(draft),
          "--dtype", "float32", "--draft-dtype", "float32", "--draft-linear-kernel", "torch",
-         "--log-dir", str(logs), "--startup-timeout-s", "180", "--http-port", "-1",
+         "--log-dir", str(logs), "--startup-timeout-s", "180",
          *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     endpoint = f"127.0.0.1:{ports['coordinator']}"
@@ -68,6 +73,9 @@ def test_up_secure_has_no_open_path(tiny_pair: tuple[Path, Path], tmp_path: Path
         found = re.search(r"--tls-ca-file (\S+) --api-key (\S+)", lines[-1])
         assert found, lines[-1]
         ca_file, key = found.group(1), found.group(2)
+        http_url = f"https://127.0.0.1:{ports['http']}"
+        curl = next(line for line in lines if line.startswith("http call: curl"))
+        assert f"--cacert {ca_file} -H 'Authorization: Bearer {key}' {http_url}/v1/" in curl
         directory = Path(ca_file).parent
         client = grpc.ssl_channel_credentials(
             Path(ca_file).read_bytes(), (directory / "client.key").read_bytes(),
@@ -109,6 +117,24 @@ def test_up_secure_has_no_open_path(tiny_pair: tuple[Path, Path], tmp_path: Path
         with grpc.secure_channel(f"127.0.0.1:{ports['draft']}", client) as channel:
             assert draft_pb2_grpc.DraftStub(channel).Describe(draft_pb2.DescribeRequest(),
                                                               timeout=10).precision
+
+        # The HTTP API: HTTPS with the stack's CA, the key required, /health open.
+        context = ssl.create_default_context(cafile=ca_file)
+        client = openai.OpenAI(base_url=http_url + "/v1", api_key=key, max_retries=0,
+                               timeout=120, http_client=openai.DefaultHttpxClient(
+                                   verify=context))
+        reply = client.completions.create(model=str(target), prompt="Hi", max_tokens=2)
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+        with urllib.request.urlopen(http_url + "/health", timeout=10, context=context) as ok:
+            assert ok.status == 200
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(
+                http_url + "/v1/completions", data=json.dumps({"prompt": "Hi"}).encode(),
+                headers={"content-type": "application/json"}), timeout=30, context=context)
+        assert refused.value.code == 401
+        assert json.loads(refused.value.read())["error"]["code"] == "invalid_api_key"
+        with pytest.raises(OSError):  # no plain HTTP on the HTTPS port
+            urllib.request.urlopen(http_url.replace("https:", "http:") + "/health", timeout=10)
 
         # The key appears in no service log, trace file or metrics page.
         texts = {str(p): p.read_text(errors="replace") for p in [*logs.iterdir(),

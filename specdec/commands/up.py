@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 from specdec.commands.http import DEFAULT_HTTP_PORT, start_http
 from specdec.commands.serve import DEFAULT_PORTS, add_service_settings
 from specdec.config import add_setting
+from specdec.security import SecuritySettings
 from specdec.settings import DEFAULT_METRICS_PORTS, SERVICE_SETTINGS
 from specdec.stack import Stack, check_ports_free, start_stack
 from specdec.telemetry.settings import add_telemetry_settings
@@ -93,7 +96,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def secure_setup() -> tuple[dict[str, str], str]:
     """`--secure`: certificates and an API key in a new private directory; the children's
-    environment, and the flags a caller then needs."""
+    environment, and the key."""
     import tempfile
 
     from specdec.security import secure_stack_env
@@ -101,7 +104,23 @@ def secure_setup() -> tuple[dict[str, str], str]:
     directory = Path(tempfile.mkdtemp(prefix="specdec-secure-"))  # mode 0700
     env, api_key = secure_stack_env(directory)
     print(f"secure: certificates and API keys in {directory}")
-    return env, (f" --tls-ca-file {env['SPECDEC_TLS_CA_FILE']} --api-key {api_key}")
+    return env, api_key
+
+
+def call_instructions(env: dict[str, str], api_key: str) -> tuple[str, str]:
+    """What a caller adds to `specdec generate`, and to curl against the HTTP API, for
+    the TLS and the key the children run with (`--secure`'s, or SPECDEC_* of this
+    environment, whose keys file's keys a caller passes as SPECDEC_API_KEY)."""
+    security = SecuritySettings.from_environ({**os.environ, **env})
+    ca = security.tls_ca_file if security.tls else ""
+    flags = (f" --tls-ca-file {shlex.quote(ca)}" if ca else "") + (
+        f" --api-key {api_key}" if api_key else "")
+    curl = f" --cacert {shlex.quote(ca)}" if ca else ""
+    if api_key:
+        curl += f" -H 'Authorization: Bearer {api_key}'"
+    elif security.api_keys_file:
+        curl += ' -H "Authorization: Bearer $SPECDEC_API_KEY"'
+    return flags, curl
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -137,14 +156,17 @@ def start(args: argparse.Namespace, env: dict[str, str] | None = None) -> Stack:
 
 
 def run(args: argparse.Namespace) -> int:
-    env, call_flags = secure_setup() if getattr(args, "secure", False) else ({}, "")
+    env, api_key = secure_setup() if getattr(args, "secure", False) else ({}, "")
+    call_flags, curl_flags = call_instructions(env, api_key)
     stack = start(args, env=env or None)
     http = None
     try:
         if args.http_port >= 0:
+            # The same certificates: HTTPS with TLS settings, and TLS to the coordinator.
             http = start_http(stack.endpoint("coordinator"), args.http_port, args.target_model,
                               args.startup_timeout_s,
-                              Path(args.log_dir) / "http.log" if args.log_dir else None)
+                              Path(args.log_dir) / "http.log" if args.log_dir else None,
+                              env=env)
     except BaseException:
         stack.stop()
         raise
@@ -153,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
             say(f"{role:<12} {stack.endpoint(role)}  (pid {stack.processes[role].pid})")
         if http is not None:
             say(f"{'http':<12} {http.url}  (pid {http.process.pid})")
+            say(f"http call: curl{curl_flags} {http.url}/v1/chat/completions -H "
+                "'content-type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
+                "\"content\": \"Hello\"}]}'")
         say("draft: ready (requests are speculative)" if stack.ready("draft") else
             "draft: loading (requests run target-only until it is)")
         say(f"ready: specdec generate \"Hello\" --endpoint {stack.endpoint('coordinator')}"

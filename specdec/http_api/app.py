@@ -5,7 +5,9 @@ ending with `data: [DONE]`), GET /v1/models, GET /health (the coordinator's gRPC
 Every failure answers OpenAI's error object; gRPC statuses map to HTTP statuses
 (STATUS_FOR_CODE). A client that disconnects cancels its gRPC call, which ends the
 generation and frees both services' caches. An `Authorization` header is forwarded to
-the coordinator as gRPC metadata, so the coordinator's API keys apply unchanged.
+the coordinator as gRPC metadata, so the coordinator's API keys apply unchanged; its
+UNAUTHENTICATED is a 401 with code `invalid_api_key`. The channel to the coordinator is
+TLS when the security settings give a CA or a client certificate (caller_settings).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -32,6 +34,12 @@ from starlette.routing import Route
 from specdec.http_api.parsing import ApiError, ParsedRequest, parse
 from specdec.models import DEFAULT_TARGET
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.security import (
+    SecuritySettings,
+    caller_settings,
+    channel_credentials,
+    channel_options,
+)
 from specdec.settings import default
 
 log = logging.getLogger(__name__)
@@ -63,10 +71,24 @@ class HttpSettings:
     served_model_name: str = DEFAULT_TARGET
     default_max_tokens: int = 256  # requests without max_tokens / max_completion_tokens
     request_timeout_s: float = 600.0  # gRPC deadline of one generation
+    # TLS of the HTTP port, and of the channel to the coordinator.
+    security: SecuritySettings = field(default_factory=SecuritySettings)
 
 
-def api_error_from_rpc(error: grpc.aio.AioRpcError) -> ApiError:
+# The coordinator's own messages name gRPC metadata and `specdec generate`; an HTTP
+# caller sends a header. Neither names the key that was sent.
+NO_KEY = ("this server requires an API key: send the header 'Authorization: Bearer <key>' "
+          "(the openai client's api_key, or OPENAI_API_KEY); ask its operator for a key "
+          "from the coordinator's SPECDEC_API_KEYS_FILE")
+WRONG_KEY = ("the API key is not valid on this server (unknown, revoked, or not in the "
+             "form 'Authorization: Bearer <key>'); ask its operator for a key from the "
+             "coordinator's SPECDEC_API_KEYS_FILE")
+
+
+def api_error_from_rpc(error: grpc.aio.AioRpcError, key_sent: bool = True) -> ApiError:
     code = error.code()
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return ApiError(401, WRONG_KEY if key_sent else NO_KEY, code="invalid_api_key")
     details = error.details() or code.name
     status = STATUS_FOR_CODE.get(code, 500)
     param = None
@@ -136,10 +158,16 @@ class Completions:
         self.stub: Any = None
         self.health: health_pb2_grpc.HealthStub | None = None
         self.created = int(time.time())
+        # Read here, before the server starts: a missing CA file is an error at startup.
+        self.security = caller_settings(settings.security)
+        self.credentials = channel_credentials(self.security)
 
     # -- lifecycle (inside the server's event loop) ----------------------------------------
     async def open(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.settings.coordinator_endpoint)
+        endpoint, options = self.settings.coordinator_endpoint, channel_options(self.security)
+        self.channel = (grpc.aio.insecure_channel(endpoint, options=options)
+                        if self.credentials is None else
+                        grpc.aio.secure_channel(endpoint, self.credentials, options=options))
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -196,7 +224,15 @@ class Completions:
     @staticmethod
     def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
         authorization = request.headers.get("authorization")
-        return (("authorization", authorization),) if authorization else ()
+        # gRPC metadata carries printable ASCII only, and no key has other characters:
+        # such a header is dropped, and a coordinator that requires keys refuses the call.
+        if not authorization or not (authorization.isascii() and authorization.isprintable()):
+            return ()
+        return (("authorization", authorization),)
+
+    @staticmethod
+    def _key_sent(request: Request) -> bool:
+        return bool(request.headers.get("authorization"))
 
     def _envelope(self, chat: bool, request_id: str, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat
@@ -213,7 +249,7 @@ class Completions:
             reply: coordinator_pb2.GenerateResponse = await _unless_disconnected(
                 request, call, call)
         except grpc.aio.AioRpcError as error:
-            raise api_error_from_rpc(error) from error
+            raise api_error_from_rpc(error, self._key_sent(request)) from error
         finish = FINISH_REASONS.get(reply.finish_reason, reply.finish_reason)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if chat:
@@ -238,7 +274,7 @@ class Completions:
         try:
             first = await _unless_disconnected(request, call, call.read())
         except grpc.aio.AioRpcError as error:
-            raise api_error_from_rpc(error) from error
+            raise api_error_from_rpc(error, self._key_sent(request)) from error
         envelope = self._envelope(chat, parsed.generate.request_id, chunk=True)
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
@@ -314,6 +350,7 @@ def create_app(settings: HttpSettings) -> Starlette:
         Route("/v1/models", completions.models, methods=["GET"]),
         Route("/health", completions.healthz, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: _http_error,
-                                         Exception: _internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app.state.tls_to_coordinator = completions.credentials is not None
+    return app
