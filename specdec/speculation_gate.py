@@ -17,9 +17,10 @@ re-test confirms the choice and falls back when it does not. Until each arm has
 MIN_EPOCHS epochs at a level the arm with fewer is played, first the nearest lower
 level's choice (drafting pays less as load grows).
 
-An epoch counts only if the load level held for all of it, only adaptive sessions
-produced tokens in it (a fixed-length request is the client's choice, not the gate's),
-and it was not an idle gap. Either arm is exact: the gate only chooses k = 0.
+An epoch counts at the level of its mean load, and only if the load stayed within a
+factor of two through it, only adaptive sessions produced tokens in it (a fixed-length
+request is the client's choice, not the gate's), and it was not an idle gap. Either arm
+is exact: the gate only chooses k = 0.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class SpeculationGate:
         self._level = 0
         self._on = True
         self._tokens = 0
+        self._load = 0.0  # running generations, smoothed
+        self._samples, self._sum = 0, 0.0  # running generations seen in the epoch
+        self._low, self._high = 1 << 30, 0
         self._counts = True  # whether the current epoch can still be a sample
         self._exploring = False  # whether it re-tests the losing arm
 
@@ -112,45 +116,56 @@ class SpeculationGate:
                 self._counts = False
 
     def snapshot(self) -> dict[int, tuple[float, int, float, int]]:
-        """Per load level: (rate on, epochs on, rate off, epochs off)."""
+        """Per load level with a counted epoch: (rate on, epochs on, rate off, epochs off)."""
         with self._lock:
             return {level: (s.on.rate, s.on.epochs, s.off.rate, s.off.epochs)
-                    for level, s in sorted(self._levels.items())}
+                    for level, s in sorted(self._levels.items()) if s.on.epochs + s.off.epochs}
 
     # -- epochs ----------------------------------------------------------------------------
     def _advance(self, running: int) -> None:
         now = self._clock()
-        level = load_level(running)
+        running = max(1, running)
+        # A smoothed load: at a steady N clients the count dips to N - 1 between one
+        # request's end and the next one's start, which must not move the level.
+        self._load = running if self._load <= 0 else self._load + 0.05 * (running - self._load)
+        level = load_level(round(self._load))
         if self._start is None:
             self._begin(now, level)
             return
-        if level != self._level:
-            self._counts = False  # the load moved: this epoch mixes two levels
+        self._samples += 1
+        self._sum += running
+        self._low, self._high = min(self._low, running), max(self._high, running)
         elapsed = now - self._start
         if elapsed < self.epoch_s:
             return
-        if self._counts and self._tokens > 0 and elapsed <= IDLE_FACTOR * self.epoch_s:
-            self._close(self._levels[self._level], self._tokens / elapsed)
+        if (self._counts and self._tokens > 0 and elapsed <= IDLE_FACTOR * self.epoch_s
+                and self._high <= 2 * self._low):  # else the load moved within the epoch
+            held = load_level(round(self._sum / self._samples))
+            self._close(held, self._tokens / elapsed)
         self._begin(now, level)
 
     def _begin(self, now: float, level: int) -> None:
         self._start = now
         self._level = level
         self._tokens = 0
+        self._samples, self._sum = 0, 0.0
+        self._low, self._high = 1 << 30, 0
         self._counts = True
         self._exploring = False
         self._on = self._choose(self._state(level))
 
-    def _close(self, state: Level, rate: float) -> None:
+    def _close(self, level: int, rate: float) -> None:
+        """Count the epoch that just ended, at the load level it held on average."""
+        state = self._state(level)
         before = state.winner()
         (state.on if self._on else state.off).observe(rate, self.ema)
         after = state.winner()
         if after is not None and after != before:
-            low = 1 << (self._level - 1)
+            low = 1 << (level - 1)
             log.info("speculation %s at %d-%d running generations: %.1f tokens/s drafting, "
                      "%.1f target-only", "on" if after else "off", low, 2 * low - 1,
                      state.on.rate, state.off.rate)
-        if self._exploring:
+        if self._exploring and level == self._level:
             confirmed = before is not None and state.winner() == before
             state.explore_every = (min(self.max_explore_every, 2 * state.explore_every)
                                    if confirmed else self.explore_every)

@@ -65,8 +65,24 @@ def test_a_level_without_data_starts_from_the_lower_levels_choice() -> None:
     clock = Clock()
     gate = SpeculationGate(epoch_s=1.0, clock=clock)
     simulate(gate, clock, 4, rate_on=10.0, rate_off=20.0, seconds=10.0)
+    for _ in range(200):  # the smoothed load reaches 16
+        gate.allows(16)
     clock.now += 1.5  # the next call opens an epoch at the new level
     assert not gate.allows(16)
+    assert load_level(16) not in gate.snapshot()
+
+
+def test_a_steady_load_whose_count_dips_between_requests_keeps_its_level() -> None:
+    clock = Clock()
+    gate = SpeculationGate(epoch_s=1.0, clock=clock)
+    for step in range(400):  # 8 clients; one request ends and the next starts
+        running = 7 if step % 5 == 0 else 8
+        gate.allows(running)
+        clock.now += 0.05
+        gate.record(3, running)
+    counted = gate.snapshot()
+    assert set(counted) == {load_level(8)}
+    assert sum(epochs for _, on, _, off in counted.values() for epochs in (on, off)) >= 15
 
 
 def test_epochs_that_are_not_fair_samples_are_not_counted() -> None:
