@@ -187,6 +187,10 @@ class BatchScheduler:
                 gap = call.enqueued - ended
                 old = self._gap_s.get(session_id)
                 self._gap_s[session_id] = gap if old is None else old + EMA * (gap - old)
+            if len(self._gap_s) > 2 * (len(self._ended) + len(self._waiting)) + 256:
+                # Sessions whose last call failed never come back to be pruned in _gather.
+                live = {*self._ended, *(c.session_id for c in (*self._waiting, *self._running))}
+                self._gap_s = {s: g for s, g in self._gap_s.items() if s in live}
             self._arrived.notify()
             start = not self._driving
             self._driving = True
