@@ -15,22 +15,25 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_TREE_BYTES = 60 * 1024 * 1024
 THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
-# "Session" in this project means a generation session. Wording that names a development
-# session or round instead (an ordinal, "this session's machine", "no GPU was lent"), and
-# citations of files outside the repository, do not belong in the tree.
+# "Session" in this project means a generation session. Wording that numbers or narrates
+# the project's own work periods instead (an ordinal, the machine a period ran on, whether
+# an accelerator was available), and citations of files outside the repository, do not
+# belong in the tree. The patterns spell those phrases so that this file holds none of them.
 _ORDINALS = ("third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
              "thirteenth|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|"
              r"twentieth|twenty-\w+|thirtieth|\d+(?:st|nd|rd|th)")
 FORBIDDEN = {
-    "a development session by its ordinal": re.compile(rf"\b(?:{_ORDINALS})\s+session",
+    "a work period by its ordinal": re.compile(rf"\b(?:{_ORDINALS})\s+session",
                                                        re.IGNORECASE),
-    "a development session in parentheses": re.compile(r"\((?:first|second)\s+session\)",
+    "a work period in parentheses": re.compile(r"\((?:first|second)\s+session\)",
                                                        re.IGNORECASE),
-    "a development session's machine": re.compile(
-        r"\bthis session's (?:machine|predecessor)|\b(?:development|work) (?:session|round)s?\b",
+    "a work period's machine": re.compile(
+        r"\bthis\s+session's\s+(?:machine|predecessor)"
+        r"|\b(?:development|work) (?:session|round)s?\b",
         re.IGNORECASE),
     "whether a machine was lent": re.compile(r"\bGPU (?:was )?lent\b", re.IGNORECASE),
-    "a citation of a note outside the repository": re.compile(r"REFERENCE\.md|(?<![\w./-])shared/"),
+    "a citation of a note outside the repository": re.compile(
+        r"REFERENCE[.]md|(?<![\w./-])shared[/]"),
 }
 BINARY_SUFFIXES = {".png", ".safetensors", ".jpg", ".gif", ".pdf"}
 
@@ -64,7 +67,7 @@ def test_tracked_tree_stays_under_the_limit() -> None:
         + ", ".join(f"{p.relative_to(ROOT)} ({s / 2**20:.1f} MiB)" for p, s in largest))
 
 
-def test_no_development_rounds_or_outside_citations() -> None:
+def test_no_work_period_wording_or_outside_citations() -> None:
     hits = []
     for path in tracked_files():
         relative = path.relative_to(ROOT).as_posix()
