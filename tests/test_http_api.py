@@ -20,6 +20,7 @@ import grpc
 import openai
 import pytest
 import torch
+from child_process import read_until
 from service_harness import DelayInterceptor, Services
 from tiny_models import save_tiny_pair, tiny_llama
 from transformers import AutoTokenizer
@@ -327,12 +328,7 @@ def test_up_serves_the_http_api(tmp_path: Path) -> None:
          *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        assert up.stdout is not None
-        lines = []
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("ready"):
-                break
+        lines = read_until(up, "ready")
         assert any(line.startswith(f"http         http://127.0.0.1:{ports['http']}")
                    for line in lines), "".join(lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1",

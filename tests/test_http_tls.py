@@ -20,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 import torch
+from child_process import read_until
 from service_harness import Services
 from tiny_models import tiny_llama
 from transformers import AutoTokenizer
@@ -141,13 +142,7 @@ def test_a_plaintext_non_loopback_bind_warns(tmp_path: Path) -> None:
          "--http-port", str(port), "--coordinator-endpoint", f"127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert process.stdout is not None
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if line.startswith("http serving on"):
-                break
-        output = "".join(lines)
+        output = "".join(read_until(process, "http serving on"))
         assert "in plaintext on a non-loopback interface" in output, output
         assert "/v1/chat/completions" in output and "SPECDEC_TLS_CERT_FILE" in output
     finally:

@@ -18,6 +18,7 @@ import grpc
 import openai
 import pytest
 import torch
+from child_process import read_until
 from tiny_models import save_tiny_pair
 
 from specdec.proto.specdec.v1 import (
@@ -63,12 +64,7 @@ def test_up_secure_has_no_open_path(tiny_pair: tuple[Path, Path], tmp_path: Path
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     endpoint = f"127.0.0.1:{ports['coordinator']}"
     try:
-        assert up.stdout is not None
-        lines = []
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("ready"):
-                break
+        lines = read_until(up, "ready")
         assert lines and lines[-1].startswith("ready"), "".join(lines)
         found = re.search(r"--tls-ca-file (\S+) --api-key (\S+)", lines[-1])
         assert found, lines[-1]

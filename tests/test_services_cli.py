@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from child_process import read_until
 from tiny_models import save_tiny_pair
 
 from specdec.grpc_server import check_health
@@ -44,12 +45,7 @@ def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) ->
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     endpoint = f"127.0.0.1:{ports['coordinator']}"
     try:
-        assert up.stdout is not None
-        lines = []
-        for line in up.stdout:  # blocks until `up` reports ready (or exits)
-            lines.append(line)
-            if line.startswith("ready"):
-                break
+        lines = read_until(up, "ready")
         assert lines and lines[-1].startswith("ready"), "".join(lines)
         for role, port in ports.items():
             assert check_health(f"127.0.0.1:{port}"), role

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_process import read_until
 from tiny_models import save_tiny_pair
 
 from specdec.stack import check_ports_free, free_port, last_error_line
@@ -41,12 +42,7 @@ def up_command(pair: tuple[Path, Path], ports: dict[str, int], metrics_port: int
 
 def wait_ready(process: subprocess.Popen[str]) -> tuple[list[str], dict[str, int]]:
     """Read `up`'s lines until "ready"; return them and the children's pids."""
-    assert process.stdout is not None
-    lines: list[str] = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("ready"):
-            break
+    lines = read_until(process, "ready")
     assert lines and lines[-1].startswith("ready"), "".join(lines)
     pids = {match[1]: int(match[2]) for line in lines
             if (match := re.match(r"(\w+)\s+\S+\s+\(pid (\d+)\)", line))}
