@@ -113,21 +113,31 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"cannot read {what} {path!r}: {error.strerror}") from None
 
 
+def served_files(settings: SecuritySettings) -> tuple[str, str] | None:
+    """The certificate and key file a TLS server presents (None: plaintext); one without
+    the other is an error."""
+    if not settings.tls:
+        return None
+    if not (settings.tls_cert_file and settings.tls_key_file):
+        raise ValueError("TLS needs both --tls-cert-file and --tls-key-file "
+                         "(SPECDEC_TLS_CERT_FILE, SPECDEC_TLS_KEY_FILE)")
+    return settings.tls_cert_file, settings.tls_key_file
+
+
 def server_credentials(settings: SecuritySettings, *,
                        client_auth: bool) -> grpc.ServerCredentials | None:
     """TLS credentials of a server, or None for plaintext.
 
     client_auth: require client certificates signed by --tls-ca-file (draft and target);
     ignored without a CA file."""
-    if not settings.tls:
+    files = served_files(settings)
+    if files is None:
         if settings.tls_ca_file and client_auth:
             raise ValueError("--tls-ca-file asks for mutual TLS, which needs this server's "
                              "own --tls-cert-file and --tls-key-file")
         return None
-    if not (settings.tls_cert_file and settings.tls_key_file):
-        raise ValueError("TLS needs both --tls-cert-file and --tls-key-file "
-                         "(SPECDEC_TLS_CERT_FILE, SPECDEC_TLS_KEY_FILE)")
-    pair = (_read(settings.tls_key_file, "TLS key"), _read(settings.tls_cert_file, "TLS cert"))
+    cert_file, key_file = files
+    pair = (_read(key_file, "TLS key"), _read(cert_file, "TLS cert"))
     require = client_auth and bool(settings.tls_ca_file)
     root = _read(settings.tls_ca_file, "TLS CA") if require else None
     return grpc.ssl_server_credentials([pair], root_certificates=root,
@@ -157,15 +167,13 @@ def caller_settings(settings: SecuritySettings) -> SecuritySettings:
 
 
 def https_files(settings: SecuritySettings) -> tuple[str, str] | None:
-    """The certificate and key file an HTTPS server presents, or None for plain HTTP."""
-    if not settings.tls:
-        return None
-    if not (settings.tls_cert_file and settings.tls_key_file):
-        raise ValueError("TLS needs both --tls-cert-file and --tls-key-file "
-                         "(SPECDEC_TLS_CERT_FILE, SPECDEC_TLS_KEY_FILE)")
-    _read(settings.tls_cert_file, "TLS cert")
-    _read(settings.tls_key_file, "TLS key")
-    return settings.tls_cert_file, settings.tls_key_file
+    """The certificate and key file an HTTPS server presents, checked readable, or None
+    for plain HTTP."""
+    files = served_files(settings)
+    if files is not None:
+        _read(files[0], "TLS cert")
+        _read(files[1], "TLS key")
+    return files
 
 
 def message_options(max_bytes: int) -> list[tuple[str, Any]]:
