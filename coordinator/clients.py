@@ -158,17 +158,6 @@ class ProbsRelay:
         self._last.pop(session_id, None)
 
 
-def _plan(mirror: CacheMirror, session_id: str, committed: TokenHistory) -> SyncPoint:
-    sync = mirror.plan(session_id, committed)
-    if sync.append or sync.committed_position == 0:
-        return sync
-    # The service may hold the whole committed history already, but a step needs at
-    # least one input token to produce logits: roll back one and re-feed it.
-    position = sync.committed_position - 1
-    return SyncPoint(session_id, position, committed.fingerprint(position),
-                     committed.tokens[position:])
-
-
 def _assume_done(mirror: CacheMirror, committed: TokenHistory) -> None:
     """After a call with an unknown outcome, assume it went through on the service.
 
@@ -248,7 +237,7 @@ class _RoutedClient(Generic[StubT]):
             # The new replica holds nothing of this session: the whole committed prefix.
             self._moved.discard(session_id)
             return mirror, mirror.full_resync(session_id, committed), 1
-        return mirror, _plan(mirror, session_id, committed), 0
+        return mirror, mirror.plan(session_id, committed), 0
 
     def _moved_away(self, code: grpc.StatusCode) -> bool:
         """After a failed call: True if its replica is gone and the route moved."""
@@ -337,8 +326,9 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
                 raise DraftUnavailable(failed) from None
         tokens = list(response.tokens)
         try:
-            probs = self._checked(response, tokens, num_tokens, params, min_confidence > 0)
             alternatives = self._checked_alternatives(response, len(tokens), num_alternatives)
+            probs = self._checked(response, tokens, num_tokens, params, min_confidence > 0,
+                                  len(alternatives.q_nodes(len(tokens))))
         except InvalidRequest as error:  # a draft that answers nonsense is not used
             _assume_done(mirror, committed)
             raise DraftUnavailable(f"draft {self.endpoint} answered badly: {error}") from None
@@ -351,23 +341,21 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
 
     def _checked_alternatives(self, response: draft_pb2.ProposeResponse, num_tokens: int,
                               asked: int) -> Alternatives:
-        alternatives = wire.alternatives_from_proto(response.alternatives, self.vocab_size)
-        if len(alternatives) > asked or any(not 1 <= depth <= num_tokens
-                                            for depth in alternatives.depths):
-            raise InvalidRequest(f"{len(alternatives)} alternatives at depths "
-                                 f"{list(alternatives.depths)} for {asked} asked beside "
-                                 f"{num_tokens} tokens")
+        alternatives = wire.alternatives_from_proto(response.alternatives, self.vocab_size,
+                                                    num_tokens)
+        if len(alternatives) > asked:
+            raise InvalidRequest(f"{len(alternatives)} alternatives for {asked} asked")
         return alternatives
 
     def _checked(self, response: draft_pb2.ProposeResponse, tokens: list[int],
-                 num_tokens: int, params: SamplingParams,
-                 may_stop_early: bool) -> torch.Tensor | None:
+                 num_tokens: int, params: SamplingParams, may_stop_early: bool,
+                 q_rows: int) -> torch.Tensor | None:
         if len(tokens) != num_tokens and not (may_stop_early and 1 <= len(tokens) < num_tokens):
             raise InvalidRequest(f"{len(tokens)} tokens for {num_tokens} asked")
         wire.check_token_ids(tokens, self.vocab_size, "tokens")
         if params.greedy:
             return None
-        return wire.decode_probs(response.probs, len(tokens), self.vocab_size, "probs")
+        return wire.decode_probs(response.probs, q_rows, self.vocab_size, "probs")
 
     def release(self, session_id: str) -> None:
         self._forget(session_id)
@@ -443,30 +431,30 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                     # move to yet: try again, with the cache state re-checked, until the
                     # deadline.
                     time.sleep(min(self.retry_interval_s, max(0.0, give_up - time.monotonic())))
-                    sync = _plan(mirror, session_id, committed)
+                    sync = mirror.plan(session_id, committed)
                     continue
                 raise from_rpc_error(error, f"target {self.endpoint}") from None
         mirror.record(committed, draft_tokens)
-        kept = None
-        if response.HasField("kept_alternative"):
-            if response.kept_alternative >= len(alternatives):
-                raise ServiceUnavailable(
-                    f"target {self.endpoint} kept alternative {response.kept_alternative} of "
-                    f"{len(alternatives)} sent")
-            kept = alternatives.tokens[response.kept_alternative]
+        kept_branches = tuple(response.kept_alternatives)
+        if any(index >= len(alternatives) for index in kept_branches):
+            raise ServiceUnavailable(
+                f"target {self.endpoint} kept alternatives {list(kept_branches)} of "
+                f"{len(alternatives)} sent")
+        branch_tokens = tuple(alternatives.tokens[index] for index in kept_branches)
         hidden = None
         if request.return_hidden_states and response.HasField("hidden_states"):
             try:
                 hidden = wire.decode_hidden(
                     response.hidden_states,
-                    len(sync.append) + response.accepted_len + (kept is not None),
+                    len(sync.append) + response.accepted_len + len(kept_branches),
                     response.hidden_states.hidden_size, "hidden_states")
             except InvalidRequest as error:  # the draft goes without; output is unaffected
                 log.warning("target %s: unusable hidden states: %s", self.endpoint, error)
         return Verification(response.accepted_len, response.next_token,
                             time.perf_counter() - started, response.forward_seconds, resyncs,
                             request.ByteSize() + response.ByteSize(), hidden,
-                            sync.committed_position, kept, forward_batch(response.batch))
+                            sync.committed_position, kept_branches, branch_tokens,
+                            forward_batch(response.batch))
 
     def _probs_message(self, session_id: str, draft_tokens: list[int],
                        draft_probs: torch.Tensor | None,

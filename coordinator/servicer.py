@@ -68,7 +68,7 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 class CoordinatorSettings:
     num_draft_tokens: int = default("num-draft-tokens")  # when a request has no `speculation`
     draft_confidence: float = DEFAULT_DRAFT_CONFIDENCE  # adaptive requests without their own
-    num_alternatives: int = DEFAULT_ALTERNATIVES  # greedy requests without their own
+    num_alternatives: int = DEFAULT_ALTERNATIVES  # adaptive requests without their own
     prompt_lookup_tokens: int = DEFAULT_LOOKUP_TOKENS  # requests without their own; 0 = off
     prompt_lookup_min: int = DEFAULT_MIN_NGRAM
     prompt_lookup_max: int = DEFAULT_MAX_NGRAM

@@ -60,15 +60,13 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not 0.0 <= draft_confidence <= 1.0:  # NaN fails this too
             raise InvalidRequest(f"speculation.draft_confidence must be in [0, 1], "
                                  f"got {draft_confidence}")
-    num_alternatives = limits.default_alternatives if sampling.greedy else 0
+    # Adaptive requests verify token trees; a fixed draft length keeps a chain.
+    num_alternatives = limits.default_alternatives if adaptive else 0
     if request.HasField("speculation") and request.speculation.HasField("num_alternatives"):
         num_alternatives = request.speculation.num_alternatives
         if not 0 <= num_alternatives <= DECODE_ROWS:
             raise InvalidRequest(f"speculation.num_alternatives must be in "
                                  f"[0, {DECODE_ROWS}], got {num_alternatives}")
-        if num_alternatives and not sampling.greedy:
-            raise InvalidRequest("speculation.num_alternatives applies to greedy requests "
-                                 "only (temperature 0); sampled requests verify a chain")
     lookup_tokens = limits.default_lookup_tokens
     if request.HasField("speculation") and request.speculation.HasField("prompt_lookup_tokens"):
         lookup_tokens = request.speculation.prompt_lookup_tokens

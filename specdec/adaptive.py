@@ -486,7 +486,7 @@ class AdaptiveLength:
             self.alternatives_offered = (self.alternatives_offered * self.decay
                                          + len(proposal.alternatives))
             self.alternatives_kept = (self.alternatives_kept * self.decay
-                                      + (verification.alternative_token is not None))
+                                      + len(verification.branch_tokens))
         own_rows = 1 + (len(proposal.tokens) + len(proposal.alternatives) if proposal else 0)
         batch = verification.batch
         running_now = self.running() if self.running is not None else 0

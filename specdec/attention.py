@@ -29,8 +29,8 @@ exactly n keys depends on the CPU's SDPA kernel: on some hosts it holds within a
 width of keys, on others (AMD EPYC with AVX-512 here) only for L == n. KEY_BLOCK = 1
 therefore gives every chain row its own call, which is invariant on any CPU;
 tests/test_attention.py checks the result bit for bit on the machine it runs on. A
-token-tree row (an alternative) sees its extra key out of order, so it keeps a call of
-its own.
+token-tree row sees its ancestors' keys out of order, so it keeps a call of its own over
+its prefix, its ancestors and itself.
 
 Several sessions' rows run in one forward as a PackedBatch: each session's rows get the
 calls above over that session's keys alone, so batching changes no row's attention.
@@ -126,13 +126,13 @@ def _rowwise_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = query.new_empty(batch, q_length, heads, value.shape[-1])
     for call in plan:
         rows = len(call.prefixes)
-        if call.extra is not None:
-            # A token-tree row (an alternative beside the chain): its prefix, then itself;
-            # the same keys in the same order as the one-row decode of that token.
+        if call.extras:
+            # A token-tree row: its prefix, then its ancestors in the tree and itself; the
+            # same keys in the same order as the one-row decode of that token after its path.
             prefix = call.prefixes[0]
-            call_key = torch.cat([key[:, :, :prefix], key[:, :, call.extra:call.extra + 1]], 2)
-            call_value = torch.cat([value[:, :, :prefix],
-                                    value[:, :, call.extra:call.extra + 1]], 2)
+            picked = torch.tensor(call.extras, device=key.device)
+            call_key = torch.cat([key[:, :, :prefix], key[:, :, picked]], 2)
+            call_value = torch.cat([value[:, :, :prefix], value[:, :, picked]], 2)
         else:
             call_key, call_value = key[:, :, :call.keys], value[:, :, :call.keys]
         # The query heads of one K/V head stacked as rows of one query, as in the grouped
@@ -157,22 +157,22 @@ class _RowCall:
     prefixes: tuple[int, ...]  # keys [0, prefix) each row sees
     keys: int  # the call's key count: the longest prefix
     mask: torch.Tensor | None  # (1, 1, rows * groups, keys) when the rows' prefixes differ
-    extra: int | None = None  # a token-tree row: the one key it sees past its prefix
+    extras: tuple[int, ...] = ()  # a token-tree row: the keys it sees past its prefix
 
 
-def _row_calls(visible: list[tuple[int, int | None]], groups: int,
+def _row_calls(visible: list[tuple[int, tuple[int, ...]]], groups: int,
                device: torch.device) -> list[_RowCall]:
     """Consecutive chain rows whose prefixes share a KEY_BLOCK block, one call each run."""
     calls: list[_RowCall] = []
     row = 0
     while row < len(visible):
-        prefix, extra = visible[row]
-        if extra is not None:
-            calls.append(_RowCall(row, (prefix,), prefix + 1, None, extra))
+        prefix, extras = visible[row]
+        if extras:
+            calls.append(_RowCall(row, (prefix,), prefix + len(extras), None, extras))
             row += 1
             continue
         stop = row + 1
-        while stop < len(visible) and visible[stop][1] is None \
+        while stop < len(visible) and not visible[stop][1] \
                 and visible[stop][0] // KEY_BLOCK == prefix // KEY_BLOCK:
             stop += 1
         prefixes = tuple(p for p, _ in visible[row:stop])
@@ -210,30 +210,29 @@ def row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: i
     """The rowwise kernel's calls for q_length query rows at the end of kv_length keys
     under mask (None: causal); None for a pattern it does not handle."""
     if mask is None:  # causal, with the queries at the end of the keys
-        visible: list[tuple[int, int | None]] | None = [
-            (kv_length - q_length + row + 1, None) for row in range(q_length)]
+        visible: list[tuple[int, tuple[int, ...]]] | None = [
+            (kv_length - q_length + row + 1, ()) for row in range(q_length)]
     else:
         visible = _mask_patterns(mask, q_length, kv_length)
     return None if visible is None else _row_calls(visible, groups, device)
 
 
 def _mask_patterns(mask: torch.Tensor, q_length: int, kv_length: int
-                   ) -> list[tuple[int, int | None]] | None:
+                   ) -> list[tuple[int, tuple[int, ...]]] | None:
+    """Per row: its leading visible keys, and the visible keys past them (a token-tree
+    row's ancestors and itself); None for a row that sees no key."""
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
         return None
     allowed = mask[0, 0, -q_length:, :kv_length]
     allowed = allowed if allowed.dtype == torch.bool else allowed == 0
     allowed = allowed.cpu()
-    visible: list[tuple[int, int | None]] = []
+    visible: list[tuple[int, tuple[int, ...]]] = []
     for row in allowed:
-        count = int(row.sum())
         prefix = int(row.int().cumprod(0).sum())  # leading visible keys
-        if count == prefix and prefix > 0:
-            visible.append((prefix, None))
-        elif count == prefix + 1:
-            visible.append((prefix, int(row[prefix:].int().argmax()) + prefix))
-        else:
+        extras = tuple(int(i) + prefix for i in row[prefix:].nonzero().flatten().tolist())
+        if prefix == 0 and not extras:
             return None
+        visible.append((prefix, extras))
     return visible
 
 

@@ -41,12 +41,14 @@ ALONE = ForwardBatch()
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]
-    probs: torch.Tensor | None  # dense [k, target vocab] q; None for greedy requests
+    probs: torch.Tensor | None  # dense [rows, target vocab] q; None for greedy requests
     elapsed_s: float  # wall time of the call as the loop saw it
     forward_s: float = 0.0  # model time inside the draft service
     resyncs: int = 0
     wire_bytes: int = 0
-    alternatives: Alternatives = NO_ALTERNATIVES  # greedy only: verified beside the chain
+    # The token tree's other nodes, verified beside the chain; q has a row for each of
+    # them with children after the chain's rows.
+    alternatives: Alternatives = NO_ALTERNATIVES
     source: str = DRAFT_MODEL
     batch: ForwardBatch = ALONE
 
@@ -63,21 +65,20 @@ class Verification:
     # committed to its cache; only when the committed history carries a HiddenStateLog.
     hidden: torch.Tensor | None = None
     hidden_position: int = 0
-    # The alternative kept after the chain's accepted_len tokens (before next_token).
-    alternative_token: int | None = None
+    # The alternatives kept after the chain's accepted_len tokens (before next_token):
+    # their indices in the proposal's Alternatives and their tokens, root to leaf.
+    kept_branches: tuple[int, ...] = ()
+    branch_tokens: tuple[int, ...] = ()
     batch: ForwardBatch = ALONE
 
     @property
     def accepted_tokens(self) -> int:
-        """Draft tokens kept this round, a kept alternative included."""
-        return self.accepted_len + (self.alternative_token is not None)
+        """Draft tokens kept this round: the accepted path, kept alternatives included."""
+        return self.accepted_len + len(self.branch_tokens)
 
     def emitted(self, draft_tokens: list[int]) -> list[int]:
         """The tokens this round adds to the committed history."""
-        kept = draft_tokens[: self.accepted_len]
-        if self.alternative_token is not None:
-            kept = [*kept, self.alternative_token]
-        return [*kept, self.next_token]
+        return [*draft_tokens[: self.accepted_len], *self.branch_tokens, self.next_token]
 
 
 class DraftUnavailable(Exception):
@@ -95,8 +96,8 @@ class Drafter(Protocol):
                 params: SamplingParams, min_confidence: float = 0.0,
                 num_alternatives: int = 0) -> Proposal:
         """Up to num_tokens tokens: fewer only when min_confidence stops the draft.
-        num_alternatives (greedy): also up to that many of the draft's next-best tokens,
-        in Proposal.alternatives."""
+        num_alternatives: a token tree with up to that many alternatives beside the
+        chain, in Proposal.alternatives."""
         ...
 
     def release(self, session_id: str) -> None: ...
@@ -119,7 +120,13 @@ class CacheMirror:
     tokens: list[int] = field(default_factory=list)
 
     def plan(self, session_id: str, committed: TokenHistory) -> SyncPoint:
+        """The sync point of the next call. The service may hold the whole committed
+        history already (its speculative tokens were what the round emitted), but a step
+        needs at least one input token to produce logits: it then rolls back one token and
+        re-feeds it."""
         position = committed.common_prefix(self.tokens)
+        if position == len(committed) and position > 0:
+            position -= 1
         return SyncPoint(session_id, position, committed.fingerprint(position),
                          committed.tokens[position:])
 

@@ -77,8 +77,9 @@ class LocalVerifier:
         return Verification(out.verdict.accepted_len, out.verdict.next_token,
                             time.perf_counter() - started, out.forward_s, resyncs,
                             hidden=out.hidden, hidden_position=sync.committed_position,
-                            alternative_token=alternatives.tokens[out.verdict.alternative]
-                            if out.verdict.alternative >= 0 else None)
+                            kept_branches=out.verdict.branch_path,
+                            branch_tokens=tuple(alternatives.tokens[index]
+                                                for index in out.verdict.branch_path))
 
     def release(self, session_id: str) -> None:
         self._mirrors.pop(session_id, None)

@@ -38,7 +38,7 @@ class GenerateConfig:
     num_draft_tokens: int = default("num-draft-tokens")  # 0 = target only
     # Stop a proposal after a token the draft gives less than this probability (0 = off).
     draft_confidence: float = 0.0
-    # Greedy: this many of the draft's next-best tokens verified beside its chain (0 = off).
+    # A token tree: up to this many alternatives verified beside the chain (0 = a chain).
     num_alternatives: int = 0
     # Tried before the draft each round; a hit replaces the draft's proposal (None = off).
     prompt_lookup: PromptLookup | None = None
@@ -63,7 +63,8 @@ class RoundEvent:
     verify_forward_s: float
     resyncs: int
     degraded: bool
-    alternative_token: int | None = None  # kept in place of proposal.tokens[accepted_len - 1]
+    # Alternatives kept after the chain's tokens (indices into proposal.alternatives).
+    kept_branches: tuple[int, ...] = ()
 
 
 @dataclass
@@ -212,7 +213,7 @@ class _Generation:
         self.stats.record_round(len(proposal.tokens) if proposal else 0,
                                 verification.accepted_tokens,
                                 len(proposal.alternatives) if proposal else 0,
-                                verification.alternative_token is not None,
+                                len(verification.branch_tokens),
                                 proposal.source if proposal else "")
         if proposal:
             self.stats.draft_s += proposal.elapsed_s
@@ -291,7 +292,7 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
                     0 if looked_up else asked, proposal, verification.accepted_tokens,
                     emitted, bonus, verification.elapsed_s, verification.forward_s,
                     verification.resyncs + (proposal.resyncs if proposal else 0),
-                    proposal is None and asked > 0, verification.alternative_token))
+                    proposal is None and asked > 0, verification.kept_branches))
             if gen.finish_reason != "length":
                 break
     finally:
@@ -315,6 +316,6 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
         session_id=config.session_id or uuid.uuid4().hex,
         committed=committed,
         prompt_len=len(committed),
-        num_alternatives=config.num_alternatives if params.greedy else 0,
+        num_alternatives=config.num_alternatives,
         lookup_evidence=(LookupEvidence(config.prompt_lookup.max_tokens)
                          if config.prompt_lookup is not None else None))

@@ -16,21 +16,67 @@ from specdec.sampling import Purpose, SamplingParams, draw, uniforms
 
 @dataclass(frozen=True)
 class Alternatives:
-    """The draft's next-best tokens, verified beside its chain in the same forward (a
-    token tree one level deep; greedy only). tokens[i] is an alternative to the chain's
-    draft token number depths[i] (1-based): it follows the chain's first depths[i] - 1
-    tokens. The target's choice at the first rejected depth may be one of them."""
+    """The draft tokens beside its chain: the other nodes of a token tree, verified in
+    the same forward. Node ids: -1 is the committed prefix, 0..k-1 the chain (node j
+    follows node j - 1), k + i alternative i; tokens[i] follows node parents[i], which is
+    -1, a chain node or an earlier alternative. A node's children, in rank order: its
+    chain child first, then its alternatives by index (specdec.tree_acceptance)."""
 
     tokens: tuple[int, ...] = ()
-    depths: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.depths):
+        if len(self.tokens) != len(self.parents):
             raise ValueError(f"{len(self.tokens)} alternative tokens but "
-                             f"{len(self.depths)} depths")
+                             f"{len(self.parents)} parents")
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @classmethod
+    def at_depths(cls, tokens: tuple[int, ...], depths: tuple[int, ...]) -> Alternatives:
+        """Alternatives to chain tokens: tokens[i] replaces chain token number depths[i]
+        (1-based), following the chain's first depths[i] - 1 tokens."""
+        return cls(tuple(tokens), tuple(depth - 2 for depth in depths))
+
+    def check(self, num_draft_tokens: int) -> None:
+        """Raise ValueError unless every parent is -1, a chain node or an earlier
+        alternative."""
+        for index, parent in enumerate(self.parents):
+            if not -1 <= parent < num_draft_tokens + index:
+                raise ValueError(
+                    f"alternative {index} follows node {parent}, outside [-1, "
+                    f"{num_draft_tokens + index}) (the committed prefix, the "
+                    f"{num_draft_tokens} chain tokens and the alternatives before it)")
+
+    def depths(self, num_draft_tokens: int) -> tuple[int, ...]:
+        """Each alternative's depth: 1 for a child of the committed prefix."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(parent + 2 if parent < num_draft_tokens
+                          else depths[parent - num_draft_tokens] + 1)
+        return tuple(depths)
+
+    def children(self, node: int, num_draft_tokens: int) -> list[int]:
+        """A node's children in rank order: its chain child, then its alternatives."""
+        chain = [node + 1] if node + 1 < num_draft_tokens else []
+        return chain + [num_draft_tokens + index for index, parent in enumerate(self.parents)
+                        if parent == node]
+
+    def kept_ranks(self, num_draft_tokens: int, accepted_len: int,
+                   branch_path: tuple[int, ...]) -> list[int]:
+        """The rank of the kept child at each depth along an accepted path (0: the chain's
+        token, or an alternative's first child)."""
+        ranks = [0] * accepted_len
+        node = accepted_len - 1
+        for index in branch_path:
+            ranks.append(self.children(node, num_draft_tokens).index(num_draft_tokens + index))
+            node = num_draft_tokens + index
+        return ranks
+
+    def q_nodes(self, num_draft_tokens: int) -> list[int]:
+        """The nodes with children, by id: those a sampled tree carries a q row for."""
+        return sorted({*range(-1, num_draft_tokens - 1), *self.parents})
 
 
 NO_ALTERNATIVES = Alternatives()
@@ -40,12 +86,12 @@ NO_ALTERNATIVES = Alternatives()
 class Verdict:
     accepted_len: int  # leading draft tokens of the chain kept
     next_token: int  # the recovered token at the first rejection, or the bonus token
-    # Index into the Alternatives of the one the target chose at the first rejected depth
-    # (it is kept after the chain's accepted_len tokens, then next_token); -1 = none.
-    alternative: int = -1
+    # The alternatives kept after the chain's accepted_len tokens (then next_token), by
+    # index, root to leaf.
+    branch_path: tuple[int, ...] = ()
 
     def is_bonus(self, num_draft_tokens: int) -> bool:
-        return self.accepted_len == num_draft_tokens
+        return self.accepted_len == num_draft_tokens and not self.branch_path
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -55,26 +101,18 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, diff / mass.clamp_min(torch.finfo(diff.dtype).tiny), p)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
-                  alternatives: Alternatives = NO_ALTERNATIVES) -> Verdict:
+def verify_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor) -> Verdict:
     """Temperature 0: keep draft tokens while they equal the target's argmax.
 
-    target_probs: [k + 1 + len(alternatives)] rows, the chain's then one per alternative
-    (the target's scores of the token after it). Where the chain stops, an alternative
-    at that depth equal to the target's choice is kept, and its row gives the next token:
-    every kept token is still the target's argmax after the tokens before it.
+    target_probs: [k + 1] rows; the target's argmax at the first mismatch (or after the
+    last draft token) is the next token, so every kept token is the target's argmax after
+    the tokens before it.
     """
     target_choice = target_probs.argmax(dim=-1)
     k = draft_tokens.shape[0]
     matches = (draft_tokens == target_choice[:k]).to(torch.int64)
     accepted_len = int(matches.cumprod(dim=0).sum())
-    choice = int(target_choice[accepted_len])
-    if accepted_len < k:
-        for index, (token, depth) in enumerate(zip(alternatives.tokens, alternatives.depths,
-                                                   strict=True)):
-            if depth == accepted_len + 1 and token == choice:
-                return Verdict(accepted_len, int(target_choice[k + 1 + index]), index)
-    return Verdict(accepted_len, choice)
+    return Verdict(accepted_len, int(target_choice[accepted_len]))
 
 
 def verify_stochastic(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
@@ -104,15 +142,26 @@ def verify_stochastic(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
 def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
            target_probs: torch.Tensor, params: SamplingParams, first_position: int,
            alternatives: Alternatives = NO_ALTERNATIVES) -> Verdict:
-    """Dispatch on the request: greedy needs no q; sampling needs q for every draft token.
-    Alternatives are greedy only: a sampled tree needs another acceptance rule."""
-    if alternatives and not params.greedy:
-        raise ValueError("alternatives are verified under greedy decoding only")
+    """Dispatch on the request: greedy needs no q; sampling needs q for every draft token
+    (and, with alternatives, for every node with children). With alternatives the draft
+    is a token tree, walked by specdec.tree_acceptance.
+
+    draft_probs: one row per node with children (Alternatives.q_nodes), V columns;
+    target_probs: [k + 1 + len(alternatives), V].
+    """
+    if alternatives:
+        # The tree's rule builds on this module's residual, so it is imported here.
+        from specdec.tree_acceptance import verify_tree
+
+        tree = verify_tree(draft_tokens, alternatives.tokens, alternatives.parents,
+                           None if params.greedy else draft_probs, target_probs, params,
+                           first_position)
+        return Verdict(tree.accepted_len, tree.next_token, tree.branch_path)
     if params.greedy or draft_tokens.numel() == 0:
         if draft_tokens.numel() == 0 and not params.greedy:
             token = draw(target_probs[:1], params, first_position, Purpose.EMIT)
             return Verdict(0, int(token[0]))
-        return verify_greedy(draft_tokens, target_probs, alternatives)
+        return verify_greedy(draft_tokens, target_probs)
     if draft_probs is None:
         raise ValueError("sampled verification needs the draft probabilities q")
     return verify_stochastic(draft_tokens, draft_probs, target_probs, params, first_position)

@@ -71,7 +71,9 @@ class ExtendRequest:
     num_logits: int = 1
     hidden_rows: int = 0
     target_hidden: torch.Tensor | None = None  # [len(tokens), target hidden]
-    branch_positions: tuple[int, ...] = ()
+    # The last len(branch_parents) tokens are token-tree branches: each one's parent as
+    # an absolute cache slot (see ModelRunner.extend).
+    branch_parents: tuple[int, ...] = ()
     prefill_length: int = 0  # at committed_position 0: the tokens to prefill in one piece
 
 
@@ -199,22 +201,25 @@ class ModelRunner:
     def extend(self, session_id: str, committed_position: int, fingerprint: int,
                tokens: list[int], num_logits: int = 1, *, hidden_rows: int = 0,
                target_hidden: torch.Tensor | None = None,
-               branch_positions: Sequence[int] = ()) -> ExtendResult:
+               branch_parents: Sequence[int] = ()) -> ExtendResult:
         """Roll the session back to committed_position, append tokens, run one forward.
 
         committed_position == 0 (re)starts the session. Raises CacheSyncError when the
         cache does not hold the named prefix, so the caller can re-sync from scratch.
         hidden_rows: also return the final-norm hidden states of the last hidden_rows
         tokens. target_hidden: [len(tokens), hidden], what a feature draft reads.
-        branch_positions: the last len(branch_positions) tokens are branches of a token
-        tree, not a continuation: branch j sits at absolute position branch_positions[j]
-        and sees the tokens before it plus itself (an alternative to the token the other
-        tokens hold there). Branches get logits like any row and leave the cache after
-        the forward; the session then holds the other tokens.
+        branch_parents: the last len(branch_parents) tokens are branches of a token tree,
+        not a continuation. Token i of the request goes to cache slot committed_position
+        + i; branch j's parent is the slot branch_parents[j], a chain slot (the session's
+        tokens and this request's other tokens, where slot s holds position s) or an
+        earlier branch of the request. A branch sits one position after its parent and
+        sees what its parent sees plus itself: the tokens of its path, as a decode of
+        that path would. Branches get logits like any row and leave the cache after the
+        forward; the session then holds the other tokens.
         """
         result = self.extend_batch([ExtendRequest(
             session_id, committed_position, fingerprint, list(tokens), num_logits,
-            hidden_rows, target_hidden, tuple(branch_positions))])[0]
+            hidden_rows, target_hidden, tuple(branch_parents))])[0]
         if isinstance(result, SpecdecError):
             raise result
         return result
@@ -254,14 +259,14 @@ class ModelRunner:
             raise InvalidRequest("extend needs at least one new token")
         if committed_position < 0:
             raise InvalidRequest(f"committed position must be >= 0, got {committed_position}")
-        chain_length = len(tokens) - len(request.branch_positions)
-        if chain_length < 1 or any(not committed_position < position
-                                   <= committed_position + chain_length
-                                   for position in request.branch_positions):
+        chain_length = len(tokens) - len(request.branch_parents)
+        first_branch = committed_position + chain_length
+        if chain_length < 1 or any(not 0 <= parent < first_branch + branch
+                                   for branch, parent in enumerate(request.branch_parents)):
             raise InvalidRequest(
-                f"branch positions {list(request.branch_positions)} must lie in "
-                f"({committed_position}, {committed_position + chain_length}] after at "
-                "least one token of the chain")
+                f"branch parents {list(request.branch_parents)} must be cache slots before "
+                f"each branch (branch j at slot {first_branch} + j), after at least one "
+                "token of the chain")
         if not 1 <= request.num_logits <= len(tokens):
             raise InvalidRequest(
                 f"num_logits must be in [1, {len(tokens)}], got {request.num_logits}")
@@ -424,8 +429,10 @@ class ModelRunner:
         if session.cache is None:
             session.cache = DynamicCache(config=self.model.config)
         start = len(session.history)
-        chain_length = len(request.tokens) - len(request.branch_positions)
-        positions = list(range(start, start + chain_length)) + list(request.branch_positions)
+        chain_length = len(request.tokens) - len(request.branch_parents)
+        positions = list(range(start, start + chain_length))
+        for parent in request.branch_parents:  # a branch sits one after its parent
+            positions.append((positions[parent - start] if parent >= start else parent) + 1)
         return _Job(entry, start, positions, chain_length,
                     self._pieces(len(request.tokens), request.num_logits,
                                  request.prefill_length if start == 0 else 0))
@@ -438,7 +445,7 @@ class ModelRunner:
         out, states = self._model_forward(
             job.entry.session.cache, request.tokens[begin:end], job.positions[begin:end],
             max(1, piece_logits), bool(request.hidden_rows), job.target_hidden(piece),
-            self._tree_mask(job.positions, job.start, begin, end, job.chain_length))
+            self._tree_mask(job, begin, end))
         job.forward_s += time.perf_counter() - started
         if piece_logits > 0:
             job.logits.append(out[-piece_logits:])
@@ -460,8 +467,7 @@ class ModelRunner:
             piece_hidden = job.target_hidden(piece)
             if piece_hidden is not None:
                 hidden.append(piece_hidden)
-            masks.append(self._tree_mask(job.positions, job.start, begin, end,
-                                         job.chain_length))
+            masks.append(self._tree_mask(job, begin, end))
         packed = PackedBatch([job.entry.session.cache for job in jobs],
                              [job.rows(job.pieces[-1]) for job in jobs], masks)
         capture = any(job.entry.request.hidden_rows for job in jobs)
@@ -487,8 +493,8 @@ class ModelRunner:
 
     def _finish(self, job: _Job) -> ExtendResult:
         request, session = job.entry.request, job.entry.session
-        if request.branch_positions and session.cache is not None:
-            session.cache.crop(-len(request.branch_positions))
+        if request.branch_parents and session.cache is not None:
+            session.cache.crop(-len(request.branch_parents))
         session.history.extend(request.tokens[:job.chain_length])
         logits = self.vocab.restrict(torch.cat(job.logits)).float()
         hidden = (torch.cat(job.states)[-request.hidden_rows:].float()
@@ -543,21 +549,31 @@ class ModelRunner:
             pieces.append((begin, min(begin + DECODE_ROWS, num_tokens)))
         return pieces
 
-    def _tree_mask(self, positions: list[int], start: int, begin: int, end: int,
-                   chain_length: int) -> torch.Tensor | None:
+    def _tree_mask(self, job: _Job, begin: int, end: int) -> torch.Tensor | None:
         """The attention mask of tokens[begin:end] when branch rows are among them (None:
         plain causal). Token i sits in cache slot start + i; a chain token sees every slot
-        up to its own, a branch at position p sees slots [0, p) and its own."""
+        up to its own, a branch what its parent sees and its own slot."""
+        chain_length, start = job.chain_length, job.start
         if end <= chain_length:
             return None
         slots = start + end
         mask = torch.zeros(1, 1, end - begin, slots, dtype=torch.bool, device=self.device)
-        for row, index in enumerate(range(begin, end)):
+        seen: dict[int, torch.Tensor] = {}  # a branch's visible slots, by its index
+
+        def visible(slot: int) -> torch.Tensor:
+            index = slot - start
             if index < chain_length:
-                mask[0, 0, row, : start + index + 1] = True
-            else:
-                mask[0, 0, row, : positions[index]] = True
-                mask[0, 0, row, start + index] = True
+                row = torch.zeros(slots, dtype=torch.bool, device=self.device)
+                row[: slot + 1] = True
+                return row
+            if index not in seen:
+                row = visible(job.entry.request.branch_parents[index - chain_length]).clone()
+                row[slot] = True
+                seen[index] = row
+            return seen[index]
+
+        for row, index in enumerate(range(begin, end)):
+            mask[0, 0, row] = visible(start + index)
         return mask
 
     def _model_forward(self, cache: Any, tokens: list[int], token_positions: list[int],

@@ -7,6 +7,8 @@ All randomness comes from :func:`uniforms`, a counter-based stream keyed by
 (seed, absolute position, purpose): the random numbers used for a position do not depend
 on which process draws them, on earlier rounds, or on a service restart, which is what
 makes seeded requests reproducible in-process and over gRPC alike.
+Several draws at one (seed, position, purpose), the siblings of a token tree, take one
+independent stream each by rank; rank 0 is the stream a single draw there uses.
 """
 
 from __future__ import annotations
@@ -113,19 +115,25 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs.masked_fill(~keep, 0.0)
 
 
-def _stream_seed(seed: int, position: int, purpose: Purpose) -> int:
-    digest = hashlib.blake2b(
-        f"{seed}:{position}:{int(purpose)}".encode(), digest_size=8
-    ).digest()
+def _stream_seed(seed: int, position: int, purpose: Purpose, rank: int = 0) -> int:
+    key = f"{seed}:{position}:{int(purpose)}"
+    if rank:
+        key += f":{rank}"  # rank 0 keeps the key of a position's single draw
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def uniforms(seed: int, positions: range | list[int], purpose: Purpose) -> torch.Tensor:
-    """One U[0,1) float64 per absolute position, a pure function of (seed, position, purpose)."""
+def uniforms(seed: int, positions: range | list[int], purpose: Purpose, *,
+             rank: int = 0) -> torch.Tensor:
+    """One U[0,1) float64 per absolute position, a pure function of (seed, position, purpose,
+    rank). Rank r > 0 is a stream independent of rank 0 at the same position and purpose:
+    the r-th sibling drawn, or tested, at a node of a token tree."""
+    if rank < 0:
+        raise ValueError(f"uniforms: rank must be >= 0, got {rank}")
     generator = torch.Generator(device="cpu")
     values = []
     for position in positions:
-        generator.manual_seed(_stream_seed(seed, position, purpose))
+        generator.manual_seed(_stream_seed(seed, position, purpose, rank))
         values.append(torch.rand((), dtype=torch.float64, generator=generator))
     return torch.stack(values) if values else torch.empty(0, dtype=torch.float64)
 

@@ -147,8 +147,9 @@ _ALL = (
             "adaptive requests end a round's draft after a token the draft gives less than "
             "this probability (0 = off; a request may set its own)", SPECULATION, type=float),
     Setting("draft-alternatives", 2,
-            "greedy requests also verify this many of the draft's next-best tokens beside "
-            "its chain each round (0 = off; a request may set its own)", SPECULATION, type=int),
+            "adaptive requests verify a token tree: up to this many alternatives beside the "
+            "draft's chain each round, where the draft is least sure of it (0 = a chain; a "
+            "request may set its own)", SPECULATION, type=int),
     Setting("prompt-lookup-tokens", 6,
             "speculative requests first look the last few tokens up in the text so far and "
             "propose up to this many of the tokens that followed them, without a draft "

@@ -17,8 +17,8 @@ class GenerationStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    alternatives: int = 0  # verified beside the chain (greedy)
-    kept_alternatives: int = 0  # counted in accepted_tokens too
+    alternatives: int = 0  # token-tree nodes verified beside the chain
+    kept_alternatives: int = 0  # of them on accepted paths, counted in accepted_tokens too
     # Prompt lookup's part of num_drafts / draft_tokens / accepted_tokens.
     lookup_drafts: int = 0
     lookup_draft_tokens: int = 0
@@ -34,9 +34,9 @@ class GenerationStats:
     first_token_s: float = 0.0
 
     def record_round(self, num_drafted: int, accepted_len: int, alternatives: int = 0,
-                     kept_alternative: bool = False, source: str = "") -> None:
-        """accepted_len: draft tokens kept, a kept alternative included; source: the
-        proposal's (Proposal.source)."""
+                     kept_alternatives: int = 0, source: str = "") -> None:
+        """accepted_len: draft tokens kept, the accepted path's alternatives included;
+        source: the proposal's (Proposal.source)."""
         self.rounds += 1
         if num_drafted == 0:
             return
@@ -45,7 +45,7 @@ class GenerationStats:
             self.lookup_draft_tokens += num_drafted
             self.lookup_accepted_tokens += accepted_len
         self.alternatives += alternatives
-        self.kept_alternatives += kept_alternative
+        self.kept_alternatives += kept_alternatives
         self.num_drafts += 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += accepted_len

@@ -5,9 +5,11 @@ up to k tokens autoregressively and keep q, the exact distribution each was draw
 With min_confidence it stops after a token the draft itself gave less than that
 probability: such a token is usually rejected, so drafting past it wastes draft and
 verify time. The stop depends on the draft's side only, so the rejection sampler stays
-exact. A verification (`VerifyJob`) runs on the target's runner: one forward over the
-pending committed tokens and the k draft tokens, then the rejection sampler next to p,
-so p (k+1 rows of the full vocabulary) never crosses the network.
+exact. With alternatives the proposal is a token tree (one draft forward per depth). A
+verification (`VerifyJob`) runs on the target's runner: one forward over the pending
+committed tokens, the k draft tokens and the tree's other nodes, then the rejection
+sampler next to p, so p (a row of the full vocabulary per node) never crosses the
+network.
 
 Both are jobs of forward steps: `run_jobs` runs any number of them together, one
 `ModelRunner.extend_batch` per step for every job still running (the services' batching
@@ -36,6 +38,7 @@ from specdec.runner import ExtendRequest, ExtendResult, ModelRunner
 from specdec.sampling import Purpose, SamplingParams, draw, process_logits
 from specdec.settings import default
 from specdec.shapes import DECODE_ROWS
+from specdec.tree_acceptance import draw_siblings
 
 
 @dataclass(frozen=True)
@@ -71,15 +74,6 @@ class VerifyOutput:
     hidden: torch.Tensor | None = None
 
 
-def confidence(logits: torch.Tensor, probs: torch.Tensor, model_id: torch.Tensor,
-               greedy: bool) -> float:
-    """The draft's probability of its proposal: under its T=1 softmax when greedy (the
-    processed distribution is one-hot there), else under the distribution it sampled."""
-    if greedy:
-        return float(torch.softmax(logits[0].float(), dim=-1).max())
-    return float(probs[0, model_id.reshape(-1)[0]])
-
-
 class Job(Protocol):
     """Work of one call as a series of forwards: `request` names the next forward's rows
     for this job, `take` consumes their result and says whether the job is finished."""
@@ -99,29 +93,57 @@ def fold_fingerprint(fingerprint: int, tokens: Sequence[int]) -> int:
     return reduce(extend_fingerprint, (int(token) for token in tokens), fingerprint)
 
 
+@dataclass
+class _Branch:
+    """A token-tree node beside the chain, while the draft builds the tree."""
+
+    token: int  # target id
+    model_id: int
+    parent: int  # a chain node (-1: the committed prefix), or BRANCH + a branch index
+    depth: int
+    score: float  # the draft's probability of the node's path
+    q: torch.Tensor | None = None  # the row its children were drawn from, once it has any
+
+
+BRANCH = 1 << 20  # parent ids at or above this are branches (BRANCH + index)
+# A branch is drafted only where the draft's estimate that the target keeps its path
+# reaches this: rarer ones cost a row and almost never pay.
+MIN_BRANCH_SCORE = 0.02
+# Most branches a depth adds, and most branches a depth expands (drafts children for).
+BRANCHES_PER_DEPTH = 4
+EXPANDED_PER_DEPTH = 2
+
+
 class DraftJob:
-    """One proposal: a catch-up forward, then one forward per further draft token.
+    """One proposal: a catch-up forward, then one forward per further depth.
+
+    The chain (rank 0 at each depth) is drawn as a plain draft does. With
+    num_alternatives the proposal is a token tree (EAGLE-2 style, one forward per depth
+    for every node expanded there): at each depth the draft gives the nodes it expands up
+    to num_alternatives branches in all, where its estimate that the target keeps them (the
+    draft's probability of the path) is highest. A node's branches are drawn beside its
+    chain child without replacement (specdec.tree_acceptance.draw_siblings; greedy: its
+    next-best tokens), and how many a node gets is fixed before they are drawn, from the
+    node's distribution and its path alone: the contract that keeps sampled trees exact.
+    The most promising branches of a depth are expanded at the next one; their ancestors
+    ride along in that forward and leave the cache after it.
 
     target_hidden: for a feature draft, the target's hidden state one position before
-    each of sync.append's tokens; its own output state stands in for the tokens it drafts.
-    num_alternatives (greedy only): also return up to that many of the draft's next-best
-    tokens (within alternatives_budget), those most likely to be kept by the draft's own
-    estimate: the product of its probabilities of the chain tokens before one and of the
-    token itself (the target keeps an alternative only where it rejects the chain's token,
-    and mostly where the draft was unsure of it)."""
+    each of sync.append's tokens; its own output state stands in for the tokens it drafts
+    (a feature draft proposes chains: its branches would need states it does not have).
+    """
 
     def __init__(self, runner: ModelRunner, sync: SyncPoint, num_tokens: int,
                  params: SamplingParams, min_confidence: float = 0.0,
                  target_hidden: torch.Tensor | None = None,
                  num_alternatives: int = 0) -> None:
-        if num_alternatives and not params.greedy:
-            raise InvalidRequest("alternatives are drafted under greedy decoding only")
         self.runner = runner
         self.sync = sync
         self.num_tokens = num_tokens
         self.params = params
         self.min_confidence = min_confidence
-        self.num_alternatives = num_alternatives
+        self.num_alternatives = 0 if runner.needs_target_hidden else min(
+            num_alternatives, alternatives_budget(num_tokens))
         self._hidden_rows = int(runner.needs_target_hidden)
         self._next = ExtendRequest(sync.session_id, sync.committed_position, sync.fingerprint,
                                    list(sync.append), num_logits=1,
@@ -130,8 +152,9 @@ class DraftJob:
         self._fingerprint = fold_fingerprint(sync.fingerprint, sync.append)
         self.tokens: list[int] = []
         self._rows: list[torch.Tensor] = []
-        self._candidates: list[tuple[float, int, int]] = []  # (estimated chance, depth, token)
-        self._reach = 1.0  # the draft's estimate that the target keeps the chain up to here
+        self._chain_score = 1.0  # the draft's probability of the chain so far
+        self.branches: list[_Branch] = []
+        self._fed: list[int] = []  # branches whose logits rows follow the chain's row
         self.forward_s = 0.0
         self.kv_length = 0
 
@@ -147,72 +170,152 @@ class DraftJob:
         self.kv_length = result.kv_length
         if self.num_tokens == 0:  # a catch-up only
             return True
-        logits, params, runner = result.logits, self.params, self.runner
-        index = len(self.tokens)
-        probs = process_logits(logits, params)
-        model_id = draw(probs, params, self.sync.next_position + index, Purpose.DRAFT)
-        token = int(runner.vocab.model_to_target_ids(model_id)[0])
+        logits, params = result.logits, self.params
+        depth = len(self.tokens) + 1  # of the tokens drawn now
+        position = self.sync.next_position + depth - 1
+        chain_row = logits[0]  # the catch-up's last row, or the chain token's
+        fed_rows = logits[len(logits) - len(self._fed):] if self._fed else logits[:0]
+        nodes: list[tuple[int, torch.Tensor]] = [(depth - 2, chain_row)]
+        nodes += [(BRANCH + index, row) for index, row in zip(self._fed, fed_rows, strict=True)]
+        probs = process_logits(torch.stack([row for _, row in nodes]), params)
+        scored = torch.softmax(torch.stack([row for _, row in nodes]).float(), dim=-1) \
+            if params.greedy else probs
+        counts = self._branch_counts(nodes, scored)
+        model_id = draw(probs[:1], params, position, Purpose.DRAFT)
+        token = int(self.runner.vocab.model_to_target_ids(model_id)[0])
+        chain_q = float(scored[0, int(model_id[0])])
+        new: list[int] = []  # branches drawn at this depth
+        for slot, (node, _) in enumerate(nodes):
+            chain_bearing = node < BRANCH
+            drawn = self._siblings(probs[slot], scored[slot], position,
+                                   counts[slot] + chain_bearing)
+            if chain_bearing:
+                drawn = drawn[1:]  # rank 0 is the chain's token, drawn above
+            score = self._chain_score if chain_bearing else self.branches[node - BRANCH].score
+            if drawn and not chain_bearing:
+                self.branches[node - BRANCH].q = probs[slot]
+            for sibling in drawn:
+                new.append(len(self.branches))
+                self.branches.append(_Branch(
+                    int(self.runner.vocab.model_to_target_ids(torch.tensor([sibling]))[0]),
+                    sibling, node, depth, score * float(scored[slot, sibling])))
         self.tokens.append(token)
         self._rows.append(probs[0])
-        own_q = None  # the draft's T=1 probability of its proposal, once computed
-        if self.num_alternatives:
-            draft_q = torch.softmax(logits[0].float(), dim=-1)
-            top_q, top_ids = draft_q.topk(min(self.num_alternatives + 1, draft_q.shape[0]))
-            for prob, target_id in zip(top_q.tolist(),
-                                       runner.vocab.model_to_target_ids(top_ids).tolist(),
-                                       strict=True):
-                if target_id != token:
-                    self._candidates.append((self._reach * prob, index + 1, target_id))
-            own_q = float(draft_q[model_id.reshape(-1)[0]])
-            self._reach *= own_q
-        if index + 1 >= self.num_tokens:  # the last proposal is never fed: verification decides
+        self._chain_score *= chain_q
+        if depth >= self.num_tokens:  # the last proposal is never fed: verification decides
             return True
-        if self.min_confidence > 0:
-            # Alternatives are greedy only, where own_q is the gate's confidence too.
-            gate = own_q if own_q is not None else confidence(logits, probs, model_id,
-                                                              params.greedy)
-            if gate < self.min_confidence:
-                return True
-        self._next = ExtendRequest(self.session_id, result.kv_length, self._fingerprint,
-                                   [token], num_logits=1, hidden_rows=self._hidden_rows,
-                                   target_hidden=result.hidden)
+        if self.min_confidence > 0 and chain_q < self.min_confidence:
+            return True
+        self._next = self._next_request(result, token, new)
         self._fingerprint = extend_fingerprint(self._fingerprint, token)
         return False
 
+    def _branch_counts(self, nodes: list[tuple[int, torch.Tensor]],
+                       scored: torch.Tensor) -> list[int]:
+        """How many branches each node gets at this depth, before any is drawn: the
+        candidates whose expected path probability (the node's path times the draft's
+        r-th most likely token) is highest, within the budget."""
+        budget = min(BRANCHES_PER_DEPTH, self.num_alternatives - len(self.branches))
+        counts = [0] * len(nodes)
+        if budget <= 0:
+            return counts
+        candidates: list[tuple[float, int]] = []
+        for slot, (node, _) in enumerate(nodes):
+            first = 1 if node < BRANCH else 0  # a chain node's rank 0 is the chain's
+            score = self._chain_score if node < BRANCH else self.branches[node - BRANCH].score
+            top = scored[slot].topk(min(first + budget, scored.shape[1])).values.tolist()
+            candidates += [(score * value, slot) for value in top[first:]]
+        for value, slot in sorted(candidates, key=lambda c: -c[0])[:budget]:
+            if value >= MIN_BRANCH_SCORE:
+                counts[slot] += 1
+        return counts
+
+    def _siblings(self, probs: torch.Tensor, scored: torch.Tensor, position: int,
+                  count: int) -> list[int]:
+        """count children of one node (model ids), rank 0 first."""
+        if count <= 0:
+            return []
+        if self.params.greedy:  # the draft's most likely tokens (its choice is rank 0)
+            return [int(i) for i in scored.topk(min(count, scored.shape[0])).indices]
+        return draw_siblings(probs, self.params, position, count)
+
+    def _next_request(self, result: ExtendResult, token: int, new: list[int]
+                      ) -> ExtendRequest:
+        """The chain's new token, then the branches to expand at the next depth (the
+        most promising of this depth's) after the ancestors they need in the cache."""
+        room = self.num_alternatives - len(self.branches)
+        expand = sorted((index for index in new if self.branches[index].score
+                         >= MIN_BRANCH_SCORE), key=lambda i: -self.branches[i].score)
+        self._fed = sorted(expand[:EXPANDED_PER_DEPTH] if room > 0 else [])
+        context: set[int] = set()
+        for index in self._fed:
+            parent = self.branches[index].parent
+            while parent >= BRANCH:
+                context.add(parent - BRANCH)
+                parent = self.branches[parent - BRANCH].parent
+        rows = sorted(context, key=lambda i: (self.branches[i].depth, i)) + self._fed
+        chain_slot = result.kv_length  # the new chain token's slot
+        slot_of = {index: chain_slot + 1 + row for row, index in enumerate(rows)}
+        root_slot = self.sync.next_position - 1
+        parents = []
+        for index in rows:
+            parent = self.branches[index].parent
+            parents.append(slot_of[parent - BRANCH] if parent >= BRANCH
+                           else root_slot + 1 + parent)
+        tokens = [token] + [self.branches[index].token for index in rows]
+        return ExtendRequest(self.session_id, result.kv_length, self._fingerprint, tokens,
+                             num_logits=len(tokens) if rows else 1,
+                             hidden_rows=self._hidden_rows, target_hidden=result.hidden,
+                             branch_parents=tuple(parents))
+
     def output(self) -> DraftOutput:
-        probs_out = None if self.params.greedy else torch.stack(self._rows)
-        count = min(self.num_alternatives, alternatives_budget(len(self.tokens)))
+        k = len(self.tokens)
+        expanded = [branch.q for branch in self.branches if branch.q is not None]
+        probs_out = None if self.params.greedy else torch.stack(self._rows + expanded)
+        alternatives = Alternatives(
+            tuple(branch.token for branch in self.branches),
+            tuple(branch.parent - BRANCH + k if branch.parent >= BRANCH else branch.parent
+                  for branch in self.branches))
         return DraftOutput(self.tokens, probs_out, self.kv_length, self.forward_s,
-                           best_alternatives(self._candidates, count))
+                           alternatives)
 
 
 class VerifyJob:
-    """One verification: draft_probs is the dense [k, target vocab] q (ignored when
-    greedy); alternatives (greedy only) are verified as branches of the same forward and
-    leave the target's cache."""
+    """One verification: draft_probs is the dense q over the target vocabulary, one row
+    per draft token and per alternative with children (ignored when greedy); the
+    alternatives (a token tree's other nodes) are verified in the same forward and leave
+    the target's cache."""
 
     def __init__(self, sync: SyncPoint, draft_tokens: list[int],
                  draft_probs: torch.Tensor | None, params: SamplingParams,
                  return_hidden: bool = False,
                  alternatives: Alternatives = NO_ALTERNATIVES) -> None:
-        if alternatives and not params.greedy:
-            raise InvalidRequest("alternatives are verified under greedy decoding only")
-        if any(not 1 <= depth <= len(draft_tokens) for depth in alternatives.depths):
-            raise InvalidRequest(f"alternative depths {list(alternatives.depths)} must lie in "
-                                 f"[1, {len(draft_tokens)}] (the draft tokens they replace)")
+        try:
+            alternatives.check(len(draft_tokens))
+        except ValueError as error:
+            raise InvalidRequest(str(error)) from None
+        k = len(draft_tokens)
+        if draft_probs is not None and not params.greedy and draft_tokens:
+            rows = len(alternatives.q_nodes(k))
+            if draft_probs.shape[0] != rows:
+                raise InvalidRequest(
+                    f"draft probabilities have {draft_probs.shape[0]} rows; {rows} expected "
+                    f"(one per node of the token tree with children)")
         self.sync = sync
         self.draft_tokens = draft_tokens
         self.draft_probs = draft_probs
         self.params = params
         self.alternatives = alternatives
-        self._chain_length = len(sync.append) + len(draft_tokens)
+        self._chain_length = len(sync.append) + k
         block = sync.append + draft_tokens + list(alternatives.tokens)
+        # Node n of the tree sits in slot base + n (the committed prefix's last token at
+        # base - 1); alternative i's node id is k + i.
+        base = sync.next_position
         self._request = ExtendRequest(
             sync.session_id, sync.committed_position, sync.fingerprint, block,
-            num_logits=len(draft_tokens) + 1 + len(alternatives),
+            num_logits=k + 1 + len(alternatives),
             hidden_rows=len(block) if return_hidden else 0,
-            branch_positions=tuple(sync.next_position + depth - 1
-                                   for depth in alternatives.depths),
+            branch_parents=tuple(base + parent for parent in alternatives.parents),
             prefill_length=sync.prefill_length)
         self._output: VerifyOutput | None = None
 
@@ -231,14 +334,17 @@ class VerifyJob:
         draft_probs = self.draft_probs
         if draft_probs is not None:
             draft_probs = draft_probs.to(target_probs.device)
-        verdict = verify(tokens, draft_probs, target_probs, params, sync.next_position,
-                         self.alternatives)
+        try:
+            verdict = verify(tokens, draft_probs, target_probs, params, sync.next_position,
+                             self.alternatives)
+        except ValueError as error:  # a tree the rule cannot walk: the caller's input
+            raise InvalidRequest(str(error)) from None
         hidden = None
         if result.hidden is not None:
             hidden = result.hidden[: len(sync.append) + verdict.accepted_len]
-            if verdict.alternative >= 0:  # the kept alternative's state follows the chain's
-                row = self._chain_length + verdict.alternative
-                hidden = torch.cat([hidden, result.hidden[row:row + 1]])
+            if verdict.branch_path:  # the kept alternatives' states follow the chain's
+                rows = [self._chain_length + index for index in verdict.branch_path]
+                hidden = torch.cat([hidden, result.hidden[rows]])
         self._output = VerifyOutput(verdict, result.kv_length, result.forward_s,
                                     result.tokens_processed, hidden)
         return True
@@ -297,13 +403,6 @@ def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
     if isinstance(out, Exception):
         raise out
     return out
-
-
-def best_alternatives(candidates: list[tuple[float, int, int]], count: int) -> Alternatives:
-    """The count (chance, depth, token) candidates of highest chance, by depth."""
-    chosen = sorted(sorted(candidates, key=lambda c: -c[0])[:count], key=lambda c: c[1])
-    return Alternatives(tuple(token for _, _, token in chosen),
-                        tuple(depth for _, depth, _ in chosen))
 
 
 def verify_batch(runner: ModelRunner, items: Sequence[VerifyJob]

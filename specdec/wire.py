@@ -75,18 +75,23 @@ def sync_from_proto(message: common_pb2.SyncPoint, vocab_size: int) -> SyncPoint
 
 # -- alternatives -----------------------------------------------------------------------
 def alternatives_to_proto(alternatives: Alternatives) -> common_pb2.Alternatives:
-    return common_pb2.Alternatives(tokens=alternatives.tokens, depths=alternatives.depths)
+    return common_pb2.Alternatives(tokens=alternatives.tokens, parents=alternatives.parents)
 
 
 def alternatives_from_proto(message: common_pb2.Alternatives, vocab_size: int,
-                            field: str = "alternatives") -> Alternatives:
-    """Checked token ids and one depth per token (the depths' range is the verifier's)."""
+                            num_draft_tokens: int, field: str = "alternatives") -> Alternatives:
+    """Checked token ids and one parent per token, each a node before it."""
     tokens = list(message.tokens)
-    if len(message.depths) != len(tokens):
-        raise InvalidRequest(f"{field} has {len(tokens)} tokens but {len(message.depths)} "
-                             "depths: give one depth per token")
+    if len(message.parents) != len(tokens):
+        raise InvalidRequest(f"{field} has {len(tokens)} tokens but {len(message.parents)} "
+                             "parents: give one parent per token")
     check_token_ids(tokens, vocab_size, f"{field}.tokens")
-    return Alternatives(tuple(tokens), tuple(message.depths))
+    alternatives = Alternatives(tuple(tokens), tuple(message.parents))
+    try:
+        alternatives.check(num_draft_tokens)
+    except ValueError as error:
+        raise InvalidRequest(f"{field}.parents: {error}") from None
+    return alternatives
 
 
 # -- q ----------------------------------------------------------------------------------

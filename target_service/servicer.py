@@ -55,7 +55,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidRequest(f"draft_tokens holds {len(draft_tokens)} tokens, more than "
                                  f"{self.max_draft_tokens}")
         wire.check_token_ids(draft_tokens, vocab, "draft_tokens")
-        alternatives = wire.alternatives_from_proto(request.alternatives, vocab)
+        alternatives = wire.alternatives_from_proto(request.alternatives, vocab,
+                                                    len(draft_tokens))
         if len(alternatives) > DECODE_ROWS:
             raise InvalidRequest(f"alternatives holds {len(alternatives)} tokens, more than "
                                  f"{DECODE_ROWS}")
@@ -64,7 +65,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             # Tensor work stays on the model's thread (see BatchScheduler.submit).
             probs = None
             if draft_tokens and not params.greedy:
-                probs = wire.decode_probs(request.draft_probs, len(draft_tokens), vocab)
+                probs = wire.decode_probs(request.draft_probs,
+                                          len(alternatives.q_nodes(len(draft_tokens))), vocab)
+                # Row j is the q chain token j was drawn from (rows of a tree's other
+                # nodes follow; the tree's rule checks their children).
                 drawn = probs[torch.arange(len(draft_tokens)), torch.tensor(draft_tokens)]
                 if bool((drawn <= 0).any()):  # a token cannot come from a row excluding it
                     raise InvalidRequest("draft_probs gives probability 0 to a draft token")
@@ -85,8 +89,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             accepted_len=out.verdict.accepted_len, next_token=out.verdict.next_token,
             kv_length=out.kv_length, forward_seconds=out.forward_s,
             batch=batch.to_proto())
-        if out.verdict.alternative >= 0:
-            response.kept_alternative = out.verdict.alternative
+        response.kept_alternatives.extend(out.verdict.branch_path)
         if hidden is not None:
             response.hidden_states.CopyFrom(hidden)
         return response

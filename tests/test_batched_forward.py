@@ -104,21 +104,22 @@ def _random_request(rng: random.Random, runner: ModelRunner, session_id: str) ->
         count = rng.randrange(18, 30) if kind < 0.3 else rng.randrange(1, 7)
         tokens = [rng.randrange(VOCAB) for _ in range(count)]
     fingerprint = session.history.fingerprint(position) if session else 0
-    branches: tuple[int, ...] = ()
+    branches: list[int] = []
     if position > 0 and len(tokens) <= 6 and rng.random() < 0.5:
-        branches = tuple(position + rng.randrange(1, len(tokens) + 1)
-                         for _ in range(rng.randrange(1, 4)))
+        # A token tree: each branch follows a chain token or an earlier branch.
+        for _ in range(rng.randrange(1, 4)):
+            branches.append(rng.randrange(position, position + len(tokens) + len(branches)))
         tokens = tokens + [rng.randrange(VOCAB) for _ in branches]
     return ExtendRequest(session_id, position, fingerprint, tokens,
                          num_logits=rng.randrange(1, len(tokens) + 1),
                          hidden_rows=rng.choice([0, 0, len(tokens), 1]),
-                         branch_positions=branches)
+                         branch_parents=tuple(branches))
 
 
 def _alone(runner: ModelRunner, request: ExtendRequest) -> ExtendResult:
     return runner.extend(request.session_id, request.committed_position, request.fingerprint,
                          request.tokens, request.num_logits, hidden_rows=request.hidden_rows,
-                         branch_positions=request.branch_positions)
+                         branch_parents=request.branch_parents)
 
 
 @pytest.mark.parametrize("dtype_name", list(KERNELS))

@@ -236,7 +236,7 @@ def verify_message(session: str, history: TokenHistory, position: int, append: l
         draft_tokens=draft_tokens)
     if alternatives:
         message.alternatives.tokens.extend(alternatives.tokens)
-        message.alternatives.depths.extend(alternatives.depths)
+        message.alternatives.parents.extend(alternatives.parents)
     return message
 
 

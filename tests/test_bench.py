@@ -225,7 +225,9 @@ def test_alternatives_suffix_sets_the_alternatives_and_keeps_the_length() -> Non
                                                 ("2", "2+a0", "adaptive@0.6+a3"))}
     plain, chain, gated = (configs[f"specdec-local k={n}"] for n in
                            ("2", "2+a0", "adaptive@0.6+a3"))
-    assert plain.alternatives is None and alternatives(plain) == DEFAULT_ALTERNATIVES
+    assert plain.alternatives is None and alternatives(plain) == 0  # a fixed length: a chain
+    adaptive = build_configs(("specdec-local",), ("adaptive",))[0]
+    assert alternatives(adaptive) == DEFAULT_ALTERNATIVES
     assert (chain.fixed_length, chain.alternatives, alternatives(chain)) == (2, 0, 0)
     assert (gated.policy, gated.gate, gated.alternatives) == ("adaptive", 0.6, 3)
     request = grpc_request(chain, MODES["greedy"], [1, 2], 8, seed=1)

@@ -9,6 +9,7 @@ logits) must be rejected by the same test, which shows the test has power.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from specdec.history import TokenHistory
 from specdec.interfaces import Proposal
 from specdec.kernels import apply_linear_kernel
 from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
+from specdec.loop import GenerateConfig, RoundEvent, generate
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 
@@ -61,13 +62,17 @@ class RawLogitsDrafter(LocalDrafter):
 
 
 def sample_joint(drafter: LocalDrafter, verifier: LocalVerifier, params: SamplingParams,
-                 num_draft_tokens: int) -> list[tuple[int, ...]]:
+                 num_draft_tokens: int, num_alternatives: int = 0,
+                 on_round: Callable[[RoundEvent], None] | None = None
+                 ) -> list[tuple[int, ...]]:
     samples = []
     for seed in range(SAMPLES):
         seeded = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed)
         config = GenerateConfig(max_new_tokens=LENGTH, sampling=seeded,
-                                num_draft_tokens=num_draft_tokens, session_id=f"s{seed}")
-        samples.append(tuple(generate(drafter, verifier, PROMPT, config).token_ids))
+                                num_draft_tokens=num_draft_tokens,
+                                num_alternatives=num_alternatives, session_id=f"s{seed}")
+        samples.append(tuple(generate(drafter, verifier, PROMPT, config,
+                                      on_round=on_round).token_ids))
     return samples
 
 
@@ -109,6 +114,43 @@ def test_speculative_law_matches_target_with_a_compiled_draft(models) -> None:
     outcome = compile_draft(draft, lambda: ModelRunner(draft), "on", torch.device("cpu"))
     assert outcome.compiled
     assert_law_matches(target, draft, SETTINGS["topp0.8"])
+
+
+def _tree_samples(models: tuple[torch.nn.Module, torch.nn.Module], params: SamplingParams
+                  ) -> tuple[list[tuple[int, ...]], list[RoundEvent]]:
+    """Samples of k = 2 token trees with up to 4 alternatives, and their rounds."""
+    target, draft = models
+    events: list[RoundEvent] = []
+    samples = sample_joint(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                           params, num_draft_tokens=2, num_alternatives=4,
+                           on_round=events.append)
+    return samples, events
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_token_tree_law_matches_target(models, setting: str) -> None:
+    """Siblings drawn without replacement and tested in rank order against the residual
+    keep the target's law (specdec.tree_acceptance)."""
+    params = SETTINGS[setting]
+    with torch.inference_mode():
+        law = target_law(models[0], PROMPT, params, LENGTH)
+    samples, events = _tree_samples(models, params)
+    kept = sum(len(event.kept_branches) for event in events)
+    assert kept > SAMPLES // 20, f"only {kept} alternatives kept: the tree rule barely ran"
+    assert chi_square_pvalue(samples, law) > 1e-3
+
+
+def test_tree_without_the_residual_between_siblings_is_rejected(models, monkeypatch) -> None:
+    """The same test has power against a subtly wrong tree rule: every sibling tested
+    against the node's full target row instead of the residual the earlier ones leave."""
+    import specdec.tree_acceptance as tree_acceptance
+
+    monkeypatch.setattr(tree_acceptance, "residual", lambda p, q: p)
+    params = SETTINGS["T1"]
+    with torch.inference_mode():
+        law = target_law(models[0], PROMPT, params, LENGTH)
+    samples, _ = _tree_samples(models, params)
+    assert chi_square_pvalue(samples, law) < 1e-6
 
 
 def test_wrong_q_is_rejected_by_the_same_test(models) -> None:

@@ -188,8 +188,8 @@ hidden_states = st.one_of(
               st.binary(max_size=512)))
 
 alternatives = st.one_of(st.none(), st.builds(
-    lambda tokens, depths: common_pb2.Alternatives(tokens=tokens, depths=depths),
-    token_ids, st.lists(st.one_of(UINT32, st.integers(0, 5)), max_size=8)))
+    lambda tokens, parents: common_pb2.Alternatives(tokens=tokens, parents=parents),
+    token_ids, st.lists(st.one_of(INT32, st.integers(-2, 5)), max_size=8)))
 
 
 @st.composite

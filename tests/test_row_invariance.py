@@ -135,30 +135,41 @@ def test_grouped_attention_control_is_not_row_invariant_in_bfloat16() -> None:
 
 
 def _branches_vs_decode(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of token-tree branches verified beside a 4-token chain (branches after 1,
-    2 and 4 chain tokens), and of the same tokens decoded alone after that prefix."""
+    """Logits of a token tree's branches verified beside a 4-token chain (branches beside
+    the chain and after other branches, up to three deep), and of each branch's path
+    decoded one token per forward after the same prefix."""
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 49152, (40,), generator=generator).tolist()
     chain = torch.randint(0, 49152, (4,), generator=generator).tolist()
-    branches = torch.randint(0, 49152, (5,), generator=generator).tolist()
-    after = [1, 1, 2, 4, 4]  # chain tokens before each branch
+    start = len(prompt)
+    # Each branch's parent slot: chain token j sits at start + j, branch i at start + 4 + i.
+    parents = [start, start, start + 1, start + 4, start + 7, start + 3, start - 1]
+    branches = torch.randint(0, 49152, (len(parents),), generator=generator).tolist()
     runner.extend("tree", 0, 0, prompt)
     history = runner._sessions["tree"].history
-    tree = runner.extend("tree", len(prompt), history.fingerprint(len(prompt)),
-                         chain + branches, num_logits=len(branches),
-                         branch_positions=[len(prompt) + n for n in after])
+    tree = runner.extend("tree", start, history.fingerprint(start), chain + branches,
+                         num_logits=len(branches), branch_parents=parents)
     assert runner._sessions["tree"].history.tokens == prompt + chain  # branches left
+
+    def path(slot: int) -> list[int]:
+        if slot < start:
+            return []
+        if slot < start + len(chain):
+            return chain[: slot - start + 1]
+        index = slot - start - len(chain)
+        return [*path(parents[index]), branches[index]]
+
     runner.extend("decode", 0, 0, prompt)  # the same prefill, then one token per forward
     history = runner._sessions["decode"].history
-    for token in chain:
-        runner.extend("decode", len(history), history.fingerprint(), [token])
-    decoded: dict[int, torch.Tensor] = {}
-    # Latest branch first: each decode rolls back to its prefix, which the later ones keep.
-    for index in sorted(range(len(branches)), key=lambda i: -after[i]):
-        position = len(prompt) + after[index]
-        decoded[index] = runner.extend("decode", position, history.fingerprint(position),
-                                       [branches[index]]).logits
-    return tree.logits, torch.cat([decoded[i] for i in range(len(branches))])
+    decoded = []
+    for index in range(len(branches)):
+        tokens = path(start + len(chain) + index)
+        logits = runner.extend("decode", start, history.fingerprint(start), tokens[:1]).logits
+        for token in tokens[1:]:
+            logits = runner.extend("decode", len(history), history.fingerprint(),
+                                   [token]).logits
+        decoded.append(logits)
+    return tree.logits, torch.cat(decoded)
 
 
 @pytest.mark.slow
@@ -268,5 +279,5 @@ def test_bfloat16_greedy_speculation_equals_target_only_decoding(
                                    on_round=events.append)
             assert speculative.token_ids == target_only.token_ids, (prompt, draft_length)
             assert speculative.stats.accepted_tokens > 0
-            kept_alternatives += sum(event.alternative_token is not None for event in events)
+            kept_alternatives += sum(len(event.kept_branches) for event in events)
     assert kept_alternatives > 0  # the alternatives' path ran

@@ -146,29 +146,35 @@ def test_draft_confidence_over_the_wire_equals_the_in_process_loop(services, mod
         assert list(response.token_ids) == target_only(target, PROMPT, 30)
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_alternatives_over_the_wire_equal_the_in_process_loop(services, models,
-                                                              adaptive: bool) -> None:
-    """Alternatives travel Propose -> coordinator -> Verify; kept ones are the same as in
-    process, and the text is the target's own."""
+@pytest.mark.parametrize(("adaptive", "temperature"), [(False, 0.0), (True, 0.0), (False, 1.0)],
+                         ids=["greedy", "greedy-adaptive", "sampled"])
+def test_token_trees_over_the_wire_equal_the_in_process_loop(services, models, adaptive: bool,
+                                                             temperature: float) -> None:
+    """Token trees travel Propose -> coordinator -> Verify (with q for every node with
+    children when sampled); the kept paths are the same as in process, and greedy text is
+    the target's own."""
     target, draft = models
     prompt = [4, 4, 4, 4, 4, 4, 2]  # with these tiny models, one where alternatives are kept
-    message = request(prompt, max_new_tokens=40, k=3)
+    message = request(prompt, max_new_tokens=40, k=3, temperature=temperature,
+                      seed=5 if temperature else None)
     message.speculation.num_alternatives = 6
     message.speculation.adaptive = adaptive
     response = services.stub.Generate(message, timeout=30)
-    assert list(response.token_ids) == target_only(target, prompt, 40)
+    if temperature == 0.0:
+        assert list(response.token_ids) == target_only(target, prompt, 40)
     if adaptive:
         return
     events: list[RoundEvent] = []
     local = generate(LocalDrafter(ModelRunner(draft, target_vocab_size=VOCAB)),
                      LocalVerifier(ModelRunner(target)), prompt,
                      GenerateConfig(max_new_tokens=40, num_draft_tokens=3, num_alternatives=6,
-                                    prompt_lookup=LOOKUP),
+                                    prompt_lookup=LOOKUP,
+                                    sampling=SamplingParams(temperature=temperature, seed=5)),
                      on_round=events.append)
     assert list(response.token_ids) == local.token_ids
     assert response.stats.accepted_tokens == local.stats.accepted_tokens
-    assert any(event.alternative_token is not None for event in events)
+    assert response.stats.kept_alternatives == local.stats.kept_alternatives > 0
+    assert any(event.kept_branches for event in events)
 
 
 def test_greedy_with_a_perfect_draft_accepts_everything(models) -> None:

@@ -82,8 +82,6 @@ INVALID = {
     "num_alternatives < 0": (dict(num_alternatives=-1), "speculation.num_alternatives"),
     "num_alternatives too large": (dict(num_alternatives=1000),
                                    "speculation.num_alternatives"),
-    "num_alternatives when sampling": (dict(num_alternatives=2, sampling_temperature=1.0,
-                                            sampling_seed=1), "greedy requests only"),
     "prompt_lookup_tokens < 0": (dict(prompt_lookup_tokens=-1),
                                  "speculation.prompt_lookup_tokens"),
     "prompt_lookup_tokens too large": (dict(prompt_lookup_tokens=17),
@@ -156,9 +154,6 @@ def propose_cases() -> dict[str, tuple[draft_pb2.ProposeRequest, str]]:
             sampling=common_pb2.SamplingParams(temperature=math.nan)), "temperature"),
         "num_alternatives huge": (draft_pb2.ProposeRequest(
             sync=sync([1, 2]), num_tokens=2, num_alternatives=1000), "num_alternatives"),
-        "alternatives when sampling": (draft_pb2.ProposeRequest(
-            sync=sync([1, 2]), num_tokens=2, sampling=sampled(), num_alternatives=2),
-            "greedy decoding only"),
     }
 
 
@@ -199,21 +194,21 @@ def verify_cases() -> dict[str, tuple[target_pb2.VerifyRequest, str]]:
         "draft token out of vocab": (verify(dense(uniform(2)), tokens=[3, VOCAB + 5]),
                                      "draft_tokens[1]"),
         "too many draft tokens": (verify(None, tokens=[3] * 1000), "draft_tokens"),
-        "alternatives when sampling": (verify(dense(uniform(2)), alternatives=alternatives(
-            [5], [1])), "greedy decoding only"),
-        "alternatives without depths": (greedy_verify(alternatives([5, 6], [1])), "depths"),
-        "alternative depth 0": (greedy_verify(alternatives([5], [0])), "alternative depths"),
-        "alternative past the draft": (greedy_verify(alternatives([5], [3])),
-                                       "alternative depths"),
-        "alternative out of vocab": (greedy_verify(alternatives([5, VOCAB], [1, 2])),
+        "tree without q for a node with children": (verify(
+            dense(uniform(2)), alternatives=alternatives([5, 6], [-1, 2])), "3 equal rows"),
+        "alternatives without parents": (greedy_verify(alternatives([5, 6], [-1])), "parents"),
+        "alternative parent below the prefix": (greedy_verify(alternatives([5], [-2])),
+                                                "outside"),
+        "alternative parent past the tree": (greedy_verify(alternatives([5], [2])), "outside"),
+        "alternative out of vocab": (greedy_verify(alternatives([5, VOCAB], [-1, 0])),
                                      "alternatives.tokens[1]"),
-        "too many alternatives": (greedy_verify(alternatives([5] * 17, [1] * 17)),
+        "too many alternatives": (greedy_verify(alternatives([5] * 17, [-1] * 17)),
                                   "alternatives"),
     }
 
 
-def alternatives(tokens: list[int], depths: list[int]) -> common_pb2.Alternatives:
-    return common_pb2.Alternatives(tokens=tokens, depths=depths)
+def alternatives(tokens: list[int], parents: list[int]) -> common_pb2.Alternatives:
+    return common_pb2.Alternatives(tokens=tokens, parents=parents)
 
 
 def greedy_verify(alternatives: common_pb2.Alternatives) -> target_pb2.VerifyRequest:

@@ -25,8 +25,9 @@ LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident", "adaptive+a0")
 # Besides fixed integers: "adaptive" as served (length per round + the confidence gate),
 # "heuristic" (transformers' +2/-1, in-process only) and "confident" (the longest length
 # every round, ended by the confidence gate alone: transformers' assisted generation's
-# scheme, in specdec). A "+aN" suffix sets the alternatives per greedy round (default: as
-# served, SPECDEC_DRAFT_ALTERNATIVES); "adaptive+a0" is adaptive with the chain alone. A
+# scheme, in specdec). A "+aN" suffix makes the draft a token tree with up to N
+# alternatives per round (default: as served, SPECDEC_DRAFT_ALTERNATIVES for adaptive, a
+# chain for fixed lengths); "adaptive+a0" is adaptive with the chain alone. A
 # "+pN" suffix sets prompt lookup's tokens per round (default: as served,
 # SPECDEC_PROMPT_LOOKUP_TOKENS; "+p0" = off). Suffixes combine: "2+a0+p0".
 SUFFIXES = {"a": "alternatives", "p": "prompt lookup tokens"}
@@ -73,7 +74,7 @@ class BenchConfig:
 
     @property
     def alternatives(self) -> int | None:
-        """Alternatives per greedy round a "+aN" suffix sets (None: as served)."""
+        """A token tree's alternatives per round a "+aN" suffix sets (None: as served)."""
         return self._suffix("a")
 
     @property

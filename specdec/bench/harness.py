@@ -237,10 +237,7 @@ class Bench:
         self.settings = settings
         self.models = models
         self.configs = build_configs(settings.systems, settings.lengths)
-        # Alternatives are greedy only: a "+aN" configuration would repeat its plain one.
-        sampled = [config for config in build_configs(
-            settings.systems, settings.sampled_lengths or settings.lengths)
-            if config.alternatives is None]
+        sampled = build_configs(settings.systems, settings.sampled_lengths or settings.lengths)
         self.mode_configs = {mode: self.configs if MODES[mode].temperature == 0 else sampled
                              for mode in settings.modes}
         self.all_configs = list(dict.fromkeys(self.configs + sampled))

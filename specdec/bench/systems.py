@@ -38,8 +38,11 @@ def draft_confidence(config: BenchConfig) -> float:
 
 
 def alternatives(config: BenchConfig) -> int:
-    """Alternatives per greedy round: the configuration's, else the served default."""
-    return DEFAULT_ALTERNATIVES if config.alternatives is None else config.alternatives
+    """A token tree's alternatives per round: the configuration's, else as served (the
+    default for adaptive requests, a chain for a fixed length)."""
+    if config.alternatives is not None:
+        return config.alternatives
+    return DEFAULT_ALTERNATIVES if config.policy == "adaptive" else 0
 
 
 def prompt_lookup(config: BenchConfig, vocab_size: int) -> PromptLookup | None:
@@ -100,7 +103,7 @@ def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
             config.fixed_length or 0)
     request.speculation.adaptive = adaptive
     request.speculation.draft_confidence = draft_confidence(config)
-    if config.alternatives is not None and mode.temperature == 0:
+    if config.alternatives is not None:
         request.speculation.num_alternatives = config.alternatives
     if config.lookup_tokens is not None:
         request.speculation.prompt_lookup_tokens = config.lookup_tokens

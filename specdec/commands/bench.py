@@ -65,8 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "with --assistant-model, beside a feature draft)")
     parser.add_argument("--lengths", default=None,
                         help=f"draft lengths (default: {','.join(LENGTHS)}; also 'heuristic'); "
-                        "a +aN suffix sets the alternatives per greedy round (default: as "
-                        "served); "
+                        "a +aN suffix makes the draft a token tree of up to N alternatives "
+                        "(default: as served); "
                         "'confident' = the longest length ended by the confidence gate; "
                         "adaptive@G / confident@G set the gate G (default 0.4)")
     parser.add_argument("--prompts-per-category", type=int, default=None,

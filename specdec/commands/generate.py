@@ -57,8 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="end a round's draft after a token the draft gives less than "
                         "this probability, 0 = off (default: the server's)")
     parser.add_argument("--draft-alternatives", type=int, default=None,
-                        help="greedy: also verify this many of the draft's next-best tokens "
-                        "each round, 0 = off (default: the server's)")
+                        help="verify a token tree of up to this many alternatives beside the "
+                        "draft's chain each round, 0 = a chain (default: the server's)")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=None,
                         help="most tokens a prompt-lookup round proposes (copied from "
                         "earlier text, no draft forward), 0 = off (default: the server's)")

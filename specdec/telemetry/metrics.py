@@ -160,7 +160,7 @@ class RequestRecorder:
             m.num_draft_tokens.inc(proposed)
             m.num_accepted_tokens.inc(event.accepted_len)
             m.num_alternatives.inc(len(event.proposal.alternatives) if event.proposal else 0)
-            m.num_kept_alternatives.inc(event.alternative_token is not None)
+            m.num_kept_alternatives.inc(len(event.kept_branches))
             if event.proposal is not None and event.proposal.source == PROMPT_LOOKUP:
                 m.num_lookup_draft_tokens.inc(proposed)
                 m.num_lookup_accepted_tokens.inc(event.accepted_len)

@@ -46,9 +46,13 @@ POSITION_BEFORE = "specdec.round.position_before"
 POSITION_AFTER = "specdec.round.position_after"
 ASKED = "specdec.round.asked"
 PROPOSED = "specdec.round.proposed"
-ACCEPTED = "specdec.round.accepted"  # draft tokens kept, a kept alternative included
-ALTERNATIVES = "specdec.round.alternatives"  # alternatives verified beside the chain
-ALTERNATIVE_KEPT = "specdec.round.alternative_kept"
+ACCEPTED = "specdec.round.accepted"  # the accepted path's length, alternatives included
+ALTERNATIVES = "specdec.round.alternatives"  # token-tree nodes verified beside the chain
+ALTERNATIVE_KEPT = "specdec.round.alternative_kept"  # the accepted path left the chain
+TREE_DEPTH = "specdec.round.tree_depth"  # the proposal's deepest node (the chain's length
+# for a chain)
+KEPT_RANKS = "specdec.round.kept_ranks"  # per depth of the accepted path, the kept
+# child's rank among its siblings (0: the chain's token or a first child)
 # Who proposed: "draft" (the draft model), "prompt_lookup" (copied from earlier text, no
 # Propose call), "" (a target-only round).
 SOURCE = "specdec.round.source"

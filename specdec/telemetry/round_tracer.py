@@ -61,7 +61,7 @@ def round_attributes(event: RoundEvent, record_tokens: bool) -> dict[str, Attrib
         n.PROPOSED: len(proposal.tokens) if proposal else 0,
         n.ACCEPTED: event.accepted_len,
         n.ALTERNATIVES: len(proposal.alternatives) if proposal else 0,
-        n.ALTERNATIVE_KEPT: event.alternative_token is not None,
+        n.ALTERNATIVE_KEPT: bool(event.kept_branches),
         n.SOURCE: proposal.source if proposal else "",
         n.EMITTED: len(event.emitted),
         n.NEXT_TOKEN_KIND: next_token_kind(event),
@@ -71,6 +71,12 @@ def round_attributes(event: RoundEvent, record_tokens: bool) -> dict[str, Attrib
         n.VERIFY_FORWARD_MS: _ms(event.verify_forward_s),
     }
     if proposal is not None:
+        k = len(proposal.tokens)
+        alternatives = proposal.alternatives
+        attributes[n.TREE_DEPTH] = max([k, *alternatives.depths(k)])
+        chain_accepted = event.accepted_len - len(event.kept_branches)
+        attributes[n.KEPT_RANKS] = alternatives.kept_ranks(k, chain_accepted,
+                                                           event.kept_branches)
         attributes[n.DRAFT_MS] = _ms(proposal.elapsed_s)
         attributes[n.DRAFT_FORWARD_MS] = _ms(proposal.forward_s)
         attributes.update(propose_batch_attributes(proposal.batch))
@@ -116,7 +122,7 @@ def rejection_attributes(event: RoundEvent,
     """The rejection in this round, if a draft token was rejected."""
     proposal = event.proposal
     # A kept alternative stands in for the rejected chain token: it is the correction.
-    chain_accepted = event.accepted_len - (event.alternative_token is not None)
+    chain_accepted = event.accepted_len - len(event.kept_branches)
     if proposal is None or chain_accepted >= len(proposal.tokens):
         return None
     attributes: dict[str, AttributeValue] = {

@@ -232,28 +232,30 @@ Global___HiddenStates: _TypeAlias = HiddenStates  # noqa: Y015
 
 @_typing.final
 class Alternatives(_message.Message):
-    """The draft's next-best tokens, verified beside its chain in the same forward (a token
-    tree one level deep; greedy requests only). tokens[i] is an alternative to draft token
-    number depths[i] (1-based): it follows the first depths[i] - 1 draft tokens.
+    """A token tree's nodes beside the draft's chain, verified in the same forward. Node
+    ids: -1 is the committed prefix, 0 .. k-1 the k draft tokens (the chain), k + i
+    alternative i. tokens[i] follows node parents[i]: -1, a draft token, or an earlier
+    alternative. A node's children, in rank order: its chain child, then its alternatives
+    by index (sampled requests draw them in that order, without replacement).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKENS_FIELD_NUMBER: _builtins.int
-    DEPTHS_FIELD_NUMBER: _builtins.int
+    PARENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
-    def depths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
-        depths: _abc.Iterable[_builtins.int] | None = ...,
+        parents: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["depths", b"depths", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["parents", b"parents", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -127,8 +127,9 @@ class SpeculationParams(_message.Message):
     SPECDEC_DRAFT_CONFIDENCE for adaptive requests, 0 for fixed-length ones.
     """
     num_alternatives: _builtins.int
-    """Greedy requests: the draft's next-best tokens verified beside its chain each round
-    (output unchanged). Absent = the coordinator's SPECDEC_DRAFT_ALTERNATIVES; 0 = off.
+    """A token tree: up to this many alternatives verified beside the draft's chain each
+    round, in every sampling mode (output law unchanged). Absent = the coordinator's
+    SPECDEC_DRAFT_ALTERNATIVES for adaptive requests, 0 (a chain) otherwise.
     """
     prompt_lookup_tokens: _builtins.int
     """Most tokens a prompt-lookup round proposes: the text that followed the latest earlier

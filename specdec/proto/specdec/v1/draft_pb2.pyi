@@ -36,8 +36,9 @@ class ProposeRequest(_message.Message):
     hold fewer than num_tokens tokens (at least one). 0 = always num_tokens. In [0, 1].
     """
     num_alternatives: _builtins.int
-    """Greedy only: also propose up to this many alternatives, those the draft deems most
-    likely to be kept. 0 = none.
+    """Propose a token tree: up to this many alternatives beside the chain, where the draft
+    deems them most likely to be kept. 0 = a chain. A draft that reads the target's
+    hidden states proposes a chain.
     """
     @_builtins.property
     def sync(self) -> _common_pb2.SyncPoint: ...
@@ -88,11 +89,15 @@ class ProposeResponse(_message.Message):
 
     @_builtins.property
     def probs(self) -> _common_pb2.DraftProbs:
-        """q for each token; absent for greedy requests."""
+        """q for each token, then for each alternative with children (by index); absent for
+        greedy requests.
+        """
 
     @_builtins.property
     def alternatives(self) -> _common_pb2.Alternatives:
-        """With num_alternatives: the alternatives to send to Verify with the tokens."""
+        """With num_alternatives: the token tree's other nodes, to send to Verify with the
+        tokens.
+        """
 
     @_builtins.property
     def batch(self) -> _common_pb2.BatchInfo:

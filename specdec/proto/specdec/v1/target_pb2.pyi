@@ -39,14 +39,16 @@ class VerifyRequest(_message.Message):
 
     @_builtins.property
     def draft_probs(self) -> _common_pb2.DraftProbs:
-        """q for each draft token; absent when greedy or when there are no draft tokens."""
+        """q for each draft token, then for each alternative with children (by index); absent
+        when greedy or when there are no draft tokens.
+        """
 
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
     @_builtins.property
     def alternatives(self) -> _common_pb2.Alternatives:
-        """Greedy only: the draft's alternatives, verified beside the draft tokens; they do not
-        stay in the session's cache.
+        """The token tree's other nodes, verified beside the draft tokens; they do not stay in
+        the session's cache.
         """
 
     def __init__(
@@ -76,22 +78,27 @@ class VerifyResponse(_message.Message):
     KV_LENGTH_FIELD_NUMBER: _builtins.int
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
     HIDDEN_STATES_FIELD_NUMBER: _builtins.int
-    KEPT_ALTERNATIVE_FIELD_NUMBER: _builtins.int
+    KEPT_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
     accepted_len: _builtins.int
     """Leading draft tokens kept."""
     next_token: _builtins.int
-    """The correction at the first rejection, or the bonus token after what was kept."""
+    """The correction at the first rejection, or the bonus token after what was kept
+    (the draft tokens, then the kept alternatives).
+    """
     kv_length: _builtins.int
     forward_seconds: _builtins.float
-    kept_alternative: _builtins.int
-    """Index into the request's alternatives of the one kept after the accepted_len draft
-    tokens (and before next_token); absent when none was.
-    """
     @_builtins.property
     def hidden_states(self) -> _common_pb2.HiddenStates:
         """With return_hidden_states: one row per sync.append_tokens token, per accepted draft
-        token and for a kept alternative, from position sync.committed_position on.
+        token and per kept alternative, from position sync.committed_position on.
+        """
+
+    @_builtins.property
+    def kept_alternatives(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices into the request's alternatives of those kept after the accepted_len draft
+        tokens (and before next_token), root to leaf: the accepted path's way through the
+        tree once it leaves the chain.
         """
 
     @_builtins.property
@@ -106,16 +113,14 @@ class VerifyResponse(_message.Message):
         kv_length: _builtins.int = ...,
         forward_seconds: _builtins.float = ...,
         hidden_states: _common_pb2.HiddenStates | None = ...,
-        kept_alternative: _builtins.int | None = ...,
+        kept_alternatives: _abc.Iterable[_builtins.int] | None = ...,
         batch: _common_pb2.BatchInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative", "batch", b"batch", "hidden_states", b"hidden_states", "kept_alternative", b"kept_alternative"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "hidden_states", b"hidden_states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative", "accepted_len", b"accepted_len", "batch", b"batch", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kept_alternative", b"kept_alternative", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_len", b"accepted_len", "batch", b"batch", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kept_alternatives", b"kept_alternatives", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__kept_alternative: _TypeAlias = _typing.Literal["kept_alternative"]  # noqa: Y015
-    _WhichOneofArgType__kept_alternative: _TypeAlias = _typing.Literal["_kept_alternative", b"_kept_alternative"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__kept_alternative) -> _WhichOneofReturnType__kept_alternative | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VerifyResponse: _TypeAlias = VerifyResponse  # noqa: Y015
 
