@@ -125,16 +125,22 @@ def _rowwise_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     groups = heads // kv_heads
     out = query.new_empty(batch, q_length, heads, value.shape[-1])
     for call in plan:
+        if call.slots is not None and call.rows is not None:
+            # Rows that see as many keys, each its own (a token-tree row: the prefix, then
+            # its path in order): one call, a batch entry per row, which gives every entry
+            # the bits of a call of its own, the call a one-row decode of it makes.
+            picked = call.rows
+            count = picked.shape[0]
+            call_key = key[0][:, call.slots].transpose(0, 1)  # (rows, H_kv, keys, D)
+            call_value = value[0][:, call.slots].transpose(0, 1)
+            row_query = query[0][:, picked].reshape(kv_heads, groups, count, head_dim
+                                                    ).permute(2, 0, 1, 3)
+            result = F.scaled_dot_product_attention(row_query, call_key, call_value,
+                                                    dropout_p=dropout, scale=scaling)
+            out[0, picked] = result.reshape(count, heads, value.shape[-1])
+            continue
         rows = len(call.prefixes)
-        if call.extras:
-            # A token-tree row: its prefix, then its ancestors in the tree and itself; the
-            # same keys in the same order as the one-row decode of that token after its path.
-            prefix = call.prefixes[0]
-            picked = torch.tensor(call.extras, device=key.device)
-            call_key = torch.cat([key[:, :, :prefix], key[:, :, picked]], 2)
-            call_value = torch.cat([value[:, :, :prefix], value[:, :, picked]], 2)
-        else:
-            call_key, call_value = key[:, :, :call.keys], value[:, :, :call.keys]
+        call_key, call_value = key[:, :, :call.keys], value[:, :, :call.keys]
         # The query heads of one K/V head stacked as rows of one query, as in the grouped
         # kernel: (1, H_kv, rows * groups, D), row-major over (row, head of the group).
         stacked_query = query[:, :, call.start:call.start + rows].reshape(
@@ -157,22 +163,38 @@ class _RowCall:
     prefixes: tuple[int, ...]  # keys [0, prefix) each row sees
     keys: int  # the call's key count: the longest prefix
     mask: torch.Tensor | None  # (1, 1, rows * groups, keys) when the rows' prefixes differ
-    extras: tuple[int, ...] = ()  # a token-tree row: the keys it sees past its prefix
+    # A batched call of rows that each see `keys` keys: the query rows, and each one's key
+    # slots in order, (rows, keys).
+    rows: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
 
 def _row_calls(visible: list[tuple[int, tuple[int, ...]]], groups: int,
                device: torch.device) -> list[_RowCall]:
-    """Consecutive chain rows whose prefixes share a KEY_BLOCK block, one call each run."""
+    """Token-tree rows, with the chain rows that see as many keys, in one batched call per
+    key count; the other chain rows in consecutive runs whose prefixes share a KEY_BLOCK
+    block, one call each run."""
     calls: list[_RowCall] = []
+    by_keys: dict[int, list[int]] = {}
+    for row, (prefix, extras) in enumerate(visible):
+        by_keys.setdefault(prefix + len(extras), []).append(row)
+    batched: set[int] = set()
+    for keys, rows in by_keys.items():
+        if not any(visible[row][1] for row in rows):
+            continue
+        slots = torch.tensor([[*range(visible[row][0]), *visible[row][1]] for row in rows],
+                             device=device)
+        calls.append(_RowCall(rows[0], (), keys, None,
+                              torch.tensor(rows, device=device), slots))
+        batched.update(rows)
     row = 0
     while row < len(visible):
-        prefix, extras = visible[row]
-        if extras:
-            calls.append(_RowCall(row, (prefix,), prefix + len(extras), None, extras))
+        prefix, _ = visible[row]
+        if row in batched:
             row += 1
             continue
         stop = row + 1
-        while stop < len(visible) and not visible[stop][1] \
+        while stop < len(visible) and stop not in batched \
                 and visible[stop][0] // KEY_BLOCK == prefix // KEY_BLOCK:
             stop += 1
         prefixes = tuple(p for p, _ in visible[row:stop])

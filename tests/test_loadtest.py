@@ -22,6 +22,7 @@ from specdec.bench.load import (
     LoadSettings,
     parse_load_mode,
     percentile,
+    request_for,
     run_load,
     write_outputs,
 )
@@ -66,6 +67,15 @@ def test_load_modes_parse() -> None:
     assert adaptive.adaptive and adaptive.num_draft_tokens > 0
     with pytest.raises(ValueError, match="target-only, adaptive or k=N"):
         parse_load_mode("fast")
+    chain = parse_load_mode("adaptive+a0")
+    assert (chain.name, chain.adaptive, chain.num_alternatives) == ("adaptive+a0", True, 0)
+    tree = parse_load_mode("k=4+a10")
+    assert (tree.name, tree.num_draft_tokens, tree.num_alternatives) == ("k=4+a10", 4, 10)
+    assert request_for(tree, LoadPrompt("p", [1, 2]), 8).speculation.num_alternatives == 10
+    assert not request_for(parse_load_mode("adaptive"), LoadPrompt("p", [1, 2]),
+                           8).speculation.HasField("num_alternatives")
+    with pytest.raises(ValueError, match=r"\+aN"):
+        parse_load_mode("k=4+b2")
 
 
 def test_percentile_interpolates() -> None:

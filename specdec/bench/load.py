@@ -48,19 +48,34 @@ class LoadMode:
     name: str
     num_draft_tokens: int
     adaptive: bool = False
+    num_alternatives: int | None = None  # a token tree's alternatives (None: as served)
 
 
 def parse_load_mode(text: str) -> LoadMode:
-    """'target-only' (or '0'), 'adaptive', or a fixed length 'k=N' (or 'N')."""
+    """'target-only' (or '0'), 'adaptive', or a fixed length 'k=N' (or 'N'); a speculative
+    mode may end in '+aN': a token tree of up to N alternatives ('+a0': a chain)."""
     name = text.strip()
-    if name in (TARGET_ONLY, "0", "k=0"):
+    base, plus, suffix = name.partition("+")
+    alternatives = None
+    if plus:
+        if not (suffix[:1] == "a" and suffix[1:].isdigit()):
+            raise ValueError(f"unknown load mode {name!r}: the one suffix is +aN "
+                             "(alternatives per round)")
+        alternatives = int(suffix[1:])
+    if base in (TARGET_ONLY, "0", "k=0"):
+        if plus:
+            raise ValueError(f"load mode {name!r}: target-only takes no alternatives")
         return LoadMode(TARGET_ONLY, 0)
-    if name == ADAPTIVE:
-        return LoadMode(ADAPTIVE, ADAPTIVE_START, adaptive=True)
-    digits = name.removeprefix("k=")
+    if base == ADAPTIVE:
+        return LoadMode(name, ADAPTIVE_START, adaptive=True, num_alternatives=alternatives)
+    digits = base.removeprefix("k=")
     if not digits.isdigit():
-        raise ValueError(f"unknown load mode {name!r}: use target-only, adaptive or k=N")
-    return LoadMode(f"k={int(digits)}", int(digits)) if int(digits) else LoadMode(TARGET_ONLY, 0)
+        raise ValueError(f"unknown load mode {name!r}: use target-only, adaptive or k=N, "
+                         "optionally with +aN")
+    if not int(digits):
+        return LoadMode(TARGET_ONLY, 0)
+    return LoadMode(f"k={int(digits)}{plus}{suffix}", int(digits),
+                    num_alternatives=alternatives)
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,8 @@ def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
         speculation=coordinator_pb2.SpeculationParams(
             num_draft_tokens=mode.num_draft_tokens, adaptive=mode.adaptive),
         request_id=f"load-{mode.name}-{prompt.id}")
+    if mode.num_alternatives is not None:
+        request.speculation.num_alternatives = mode.num_alternatives
     if prompt.token_ids:
         request.prompt_token_ids.extend(prompt.token_ids)
     else:

@@ -98,7 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "load.md and load.png")
     parser.add_argument("--load-modes", default=",".join(DEFAULT_LOAD_MODES),
                         help="with --concurrency: the modes run at each level (target-only, "
-                        "k=N, adaptive)")
+                        "k=N, adaptive; +aN: a token tree of up to N alternatives, +a0 a chain)")
     parser.add_argument("--endpoint", default="",
                         help="with --concurrency: a running coordinator (host:port) instead "
                         "of a stack started for the run")
