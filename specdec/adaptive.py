@@ -385,11 +385,13 @@ class AdaptiveLength:
         return (self.alternatives_kept + 0.1) / (self.alternatives_offered + 1.0)
 
     def next_alternatives(self, limit: int) -> int:
-        """How many of the draft's next-best tokens to verify this round (at most
-        `limit`): each is one more row in everyone's forward, so under load they are
+        """How many alternatives (a token tree's nodes beside the chain) to verify this
+        round, at most `limit`: each is one more row of the target's forward, so they are
         sent only while the tokens they are expected to add (keep rate over the round's
-        seconds) cover what the row costs this session and the others."""
-        if limit <= 0 or self.load.alone:
+        seconds) cover what the row costs this session and, under load, the others that
+        share the forward (the measured cost per row: where verifying more rows costs
+        more, trees shrink to chains even alone)."""
+        if limit <= 0:
             return limit
         k = self._choice if self._choice is not None else self._reference
         seconds = self.costs.round_seconds(k)
