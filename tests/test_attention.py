@@ -84,8 +84,9 @@ def test_rowwise_attention_equals_transformers_sdpa(q_length: int, mask_kind: st
 
 
 def _rowwise_mismatches(contexts: range, rows: int) -> int:
-    """Rows of one bfloat16 rowwise call (chain rows, then two token-tree rows) whose
-    output differs from the one-row call of the same row over exactly its keys."""
+    """Rows of one bfloat16 rowwise call (chain rows, then three token-tree rows, batched
+    with the chain rows that see as many keys) whose output differs from the one-row call
+    of the same row over exactly its keys."""
     module = types.SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True)
     mismatches = 0
     for context in contexts:
@@ -94,10 +95,16 @@ def _rowwise_mismatches(contexts: range, rows: int) -> int:
         query = torch.randn(1, HEADS, rows, 64).bfloat16()
         key, value = torch.randn(2, 1, KV_HEADS, kv_length, 64).bfloat16().unbind(0)
         mask = _causal_tail_mask(rows, kv_length).clone()
-        for row in (rows - 2, rows - 1):  # siblings: the chain's first token, then itself
-            mask[0, 0, row] = False
-            mask[0, 0, row, :context + 1] = True
-            mask[0, 0, row, context + row] = True
+        sibling, child, first = rows - 3, rows - 2, rows - 1
+        mask[0, 0, sibling:] = False
+        # A sibling of the chain's second token, then its child, then a sibling of the
+        # chain's first token: each sees the prefix, its path and itself.
+        mask[0, 0, sibling, :context + 1] = True
+        mask[0, 0, sibling, context + sibling] = True
+        mask[0, 0, child] = mask[0, 0, sibling]
+        mask[0, 0, child, context + child] = True
+        mask[0, 0, first, :context] = True
+        mask[0, 0, first, context + first] = True
         out, _ = rowwise_sdpa_forward(module, query, key, value, mask, scaling=0.125)
         for row in range(rows):
             keys = mask[0, 0, row].nonzero().flatten()
