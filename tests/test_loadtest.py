@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -76,6 +77,9 @@ def test_load_modes_parse() -> None:
                            8).speculation.HasField("num_alternatives")
     with pytest.raises(ValueError, match=r"\+aN"):
         parse_load_mode("k=4+b2")
+    sampled = request_for(replace(tree, temperature=1.0, top_p=0.9), LoadPrompt("p", [1, 2]), 8)
+    assert (sampled.sampling.temperature, round(sampled.sampling.top_p, 3)) == (1.0, 0.9)
+    assert sampled.sampling.HasField("seed")  # one seed per prompt, the same in every mode
 
 
 def test_percentile_interpolates() -> None:

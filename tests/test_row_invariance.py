@@ -265,9 +265,9 @@ def test_bfloat16_greedy_speculation_equals_target_only_decoding(
                                                    do_sample=False)
         hf_tokens = generated[0, len(prompt):].tolist()
         assert target_only.token_ids == hf_tokens[: len(target_only.token_ids)]
-        # (2, 0): the chain alone; the others with alternatives beside it (the default 2,
-        # and 13 alternatives beside 1 token: a full 16-row forward of branches).
-        for draft_length, alternatives in ((2, 0), (8, 0), (2, 2), (1, 13)):
+        # (2, 0): the chain alone; the others token trees (the default 2 alternatives, a
+        # deeper tree of 8, and 13 beside 1 token: a full 16-row forward of branches).
+        for draft_length, alternatives in ((2, 0), (8, 0), (2, 2), (4, 8), (1, 13)):
             drafter = LocalDrafter(ModelRunner(draft.model, target_vocab_size=49152,
                                                token_map=draft.token_map))
             events: list[RoundEvent] = []
@@ -280,4 +280,7 @@ def test_bfloat16_greedy_speculation_equals_target_only_decoding(
             assert speculative.token_ids == target_only.token_ids, (prompt, draft_length)
             assert speculative.stats.accepted_tokens > 0
             kept_alternatives += sum(len(event.kept_branches) for event in events)
-    assert kept_alternatives > 0  # the alternatives' path ran
+    if draft_name == models.FEATURE_DRAFT:
+        assert kept_alternatives == 0  # a feature draft proposes chains
+    else:
+        assert kept_alternatives > 0  # the trees' path ran

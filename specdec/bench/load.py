@@ -26,9 +26,10 @@ import queue
 import sys
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ class LoadMode:
     num_draft_tokens: int
     adaptive: bool = False
     num_alternatives: int | None = None  # a token tree's alternatives (None: as served)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
 
 def parse_load_mode(text: str) -> LoadMode:
@@ -119,6 +122,12 @@ def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
         request_id=f"load-{mode.name}-{prompt.id}")
     if mode.num_alternatives is not None:
         request.speculation.num_alternatives = mode.num_alternatives
+    if mode.temperature > 0:
+        # One seed per prompt: every mode and level draws the same prompt's output from
+        # the same stream.
+        request.sampling.temperature = mode.temperature
+        request.sampling.top_p = mode.top_p
+        request.sampling.seed = zlib.crc32(prompt.id.encode())
     if prompt.token_ids:
         request.prompt_token_ids.extend(prompt.token_ids)
     else:
@@ -254,6 +263,10 @@ class LoadSettings:
     timeout_s: float = 600.0
     warmup_tokens: int = 8
     progress: bool = True
+    # Sampling of every request: greedy (0), or temperature and top-p with a seed per
+    # prompt; greedy runs compare every output with the serial target-only one.
+    temperature: float = 0.0
+    top_p: float = 1.0
 
 
 def requests_at(level: int, prompts: int, min_rounds: int) -> int:
@@ -265,13 +278,17 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
              out: Any = None) -> dict[str, Any]:
     """Every mode at every level (modes interleaved within a level); the report."""
     out = out if out is not None else sys.stderr
-    modes = [parse_load_mode(name) for name in settings.modes]
+    modes = [replace(parse_load_mode(name), temperature=settings.temperature,
+                     top_p=settings.top_p) for name in settings.modes]
     levels = sorted(set(settings.concurrency))
     if not levels or levels[0] < 1:
         raise ValueError(f"concurrency levels must be positive integers, got {levels}")
-    target_only = LoadMode(TARGET_ONLY, 0)
+    target_only = LoadMode(TARGET_ONLY, 0, temperature=settings.temperature,
+                           top_p=settings.top_p)
     plan = [(level, mode) for level in levels for mode in modes]
-    reference_in_plan = any(level == 1 and mode == target_only for level, mode in plan)
+    # Sampled outputs have no serial reference to equal: nothing to compare.
+    reference_in_plan = settings.temperature > 0 or any(
+        level == 1 and mode == target_only for level, mode in plan)
     total = sum(requests_at(level, len(prompts), settings.min_rounds) for level, _ in plan)
     if not reference_in_plan:
         total += len(prompts)
@@ -305,7 +322,7 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
                         requests_at(level, len(prompts), settings.min_rounds),
                         settings.max_new_tokens, settings.timeout_s,
                         progress(f"{mode.name} c={level}", 0))
-        if level == 1 and mode == target_only:
+        if level == 1 and mode == target_only and settings.temperature == 0:
             serial = {r.prompt_id: r.token_ids for r in run.records if r.code == "OK"}
         runs.append(run)
     if interactive:
@@ -339,7 +356,8 @@ def _cell(value: Any) -> str:
 def render_markdown(report: dict[str, Any], command: str) -> str:
     settings, meta = report["settings"], report["meta"]
     lines = ["# specdec bench --concurrency", "", f"- command: `{command}`",
-             f"- {settings['prompts']} prompts, greedy, {settings['max_new_tokens']} new tokens; "
+             f"- {settings['prompts']} prompts, {_sampling(settings)}, "
+             f"{settings['max_new_tokens']} new tokens; "
              f"modes {', '.join(settings['modes'])} interleaved at each level; closed-loop "
              "clients over GenerateStream",
              f"- wall time {meta.get('wall_s', 0)} s"]
@@ -363,6 +381,15 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         "gaps between stream messages (one per round). mismatches: outputs that differ "
         "from the serial target-only output of the same prompt (must be 0).", ""]
     return "\n".join(lines)
+
+
+def _sampling(settings: dict[str, Any]) -> str:
+    temperature = settings.get("temperature", 0.0)
+    if not temperature:
+        return "greedy"
+    top_p = settings.get("top_p", 1.0)
+    return f"temperature {temperature:g}" + (f", top-p {top_p:g}" if top_p < 1 else "") + \
+        " (seeded; no mismatch check)"
 
 
 def write_plot(report: dict[str, Any], path: Path) -> Path:

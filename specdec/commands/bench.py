@@ -59,7 +59,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "32 tokens, the draft not compiled (under 3 minutes on 2 cores); "
                         "explicit flags and SPECDEC_* variables still win")
     parser.add_argument("--modes", default=None,
-                        help=f"sampling modes (default: {','.join(MODES)})")
+                        help=f"sampling modes (default: {','.join(MODES)}); with "
+                        "--concurrency one mode (default: greedy)")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"systems to run; also {LOCAL_TOKEN_DRAFT} (specdec in process "
                         "with --assistant-model, beside a feature draft)")
@@ -270,8 +271,16 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
                                 if args.prompts_per_category is not None
                                 else quick.get("prompts_per_category"))  # type: ignore[assignment]
     max_new_tokens = args.max_new_tokens or int(quick.get("max_new_tokens", 64))  # type: ignore[call-overload]
+    from specdec.bench.configs import MODES
+
+    sampling = _csv(args.modes) if args.modes else ("greedy",)
+    if len(sampling) != 1 or sampling[0] not in MODES:
+        raise ValueError(f"with --concurrency, --modes names one sampling mode ({', '.join(MODES)}"
+                         f"), got {args.modes!r}")
+    mode = MODES[sampling[0]]
     settings = LoadSettings(levels, _csv(args.load_modes), max_new_tokens=max_new_tokens,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, temperature=mode.temperature,
+                            top_p=mode.top_p)
     stack = None
     endpoint = args.endpoint
     if not endpoint:
