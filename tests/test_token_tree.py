@@ -172,3 +172,22 @@ def test_verifier_and_runner_refuse_bad_trees() -> None:
                                      Alternatives((6, 7), (-1, 1)))
     with pytest.raises(InvalidRequest, match="branch parents"):
         runner.extend("t", 0, 0, [1, 2, 3], num_logits=1, branch_parents=[2])
+
+
+def test_round_spans_report_the_tree_and_the_kept_ranks() -> None:
+    from specdec.interfaces import Proposal
+    from specdec.telemetry import names as n
+    from specdec.telemetry.round_tracer import rejection_attributes, round_attributes
+
+    # Chain 4, 5, 6; alternative 0 beside chain token 0, alternative 1 under it. The target
+    # kept alternative 0, then alternative 1, then emitted its own 9.
+    tree = Alternatives((7, 8), (-1, 3))
+    proposal = Proposal([4, 5, 6], None, 0.01, alternatives=tree)
+    event = RoundEvent(0, 10, 13, 3, proposal, 2, [7, 8, 9], False, 0.05, 0.04, 0, False,
+                       kept_branches=(0, 1))
+    attributes = round_attributes(event, record_tokens=False)
+    assert attributes[n.TREE_DEPTH] == 3 and attributes[n.ALTERNATIVES] == 2
+    assert attributes[n.ACCEPTED] == 2 and attributes[n.ALTERNATIVE_KEPT] is True
+    assert list(attributes[n.KEPT_RANKS]) == [1, 0]  # type: ignore[arg-type]
+    rejection = rejection_attributes(event, record_tokens=False)
+    assert rejection is not None and rejection[n.REJECT_DRAFT_INDEX] == 0
