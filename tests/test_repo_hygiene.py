@@ -15,23 +15,24 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_TREE_BYTES = 60 * 1024 * 1024
 THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
-# "Session" in this project means a generation session. Wording that numbers or narrates
-# the project's own work periods instead (an ordinal, the machine a period ran on, whether
-# an accelerator was available), and citations of files outside the repository, do not
-# belong in the tree. The patterns spell those phrases so that this file holds none of them.
+# "Session" in this project means a generation session, and the tree speaks of the
+# project alone: no wording about how or where its files were written, and no citations
+# of files outside the repository. The patterns are assembled from parts, so that this
+# file holds none of the phrases it forbids.
 _ORDINALS = ("third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
              "thirteenth|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|"
              r"twentieth|twenty-\w+|thirtieth|\d+(?:st|nd|rd|th)")
+_PERIOD = r"(?:sess" + r"ion|rou" + r"nd)"
 FORBIDDEN = {
-    "a work period by its ordinal": re.compile(rf"\b(?:{_ORDINALS})\s+session",
-                                                       re.IGNORECASE),
-    "a work period in parentheses": re.compile(r"\((?:first|second)\s+session\)",
-                                                       re.IGNORECASE),
-    "a work period's machine": re.compile(
-        r"\bthis\s+session's\s+(?:machine|predecessor)"
-        r"|\b(?:development|work) (?:session|round)s?\b",
+    "an ordinal before 'session'": re.compile(rf"\b(?:{_ORDINALS})\s+sess" + "ion",
+                                              re.IGNORECASE),
+    "'session' numbered in parentheses": re.compile(r"\((?:first|second)\s+sess" + r"ion\)",
+                                                    re.IGNORECASE),
+    "a machine or predecessor of a session": re.compile(
+        r"\bthis\s+sess" + r"ion's\s+(?:machine|predecessor)"
+        + r"|\b(?:develop" + r"ment|wo" + rf"rk) {_PERIOD}s?\b",
         re.IGNORECASE),
-    "whether a machine was lent": re.compile(r"\bGPU (?:was )?lent\b", re.IGNORECASE),
+    "an accelerator lent": re.compile(r"\bGPU (?:was )?le" + r"nt\b", re.IGNORECASE),
     "a citation of a note outside the repository": re.compile(
         r"REFERENCE[.]md|(?<![\w./-])shared[/]"),
 }
