@@ -33,21 +33,16 @@ class Alternatives:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @classmethod
-    def at_depths(cls, tokens: tuple[int, ...], depths: tuple[int, ...]) -> Alternatives:
-        """Alternatives to chain tokens: tokens[i] replaces chain token number depths[i]
-        (1-based), following the chain's first depths[i] - 1 tokens."""
-        return cls(tuple(tokens), tuple(depth - 2 for depth in depths))
-
     def check(self, num_draft_tokens: int) -> None:
         """Raise ValueError unless every parent is -1, a chain node or an earlier
         alternative."""
         for index, parent in enumerate(self.parents):
             if not -1 <= parent < num_draft_tokens + index:
                 raise ValueError(
-                    f"alternative {index} follows node {parent}, outside [-1, "
-                    f"{num_draft_tokens + index}) (the committed prefix, the "
-                    f"{num_draft_tokens} chain tokens and the alternatives before it)")
+                    f"alternative {index} (node {num_draft_tokens + index}): parent "
+                    f"{parent} is outside [-1, {num_draft_tokens + index}) (the committed "
+                    f"prefix, the {num_draft_tokens} chain tokens and the alternatives "
+                    "before it)")
 
     def depths(self, num_draft_tokens: int) -> tuple[int, ...]:
         """Each alternative's depth: 1 for a child of the committed prefix."""
@@ -89,9 +84,6 @@ class Verdict:
     # The alternatives kept after the chain's accepted_len tokens (then next_token), by
     # index, root to leaf.
     branch_path: tuple[int, ...] = ()
-
-    def is_bonus(self, num_draft_tokens: int) -> bool:
-        return self.accepted_len == num_draft_tokens and not self.branch_path
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

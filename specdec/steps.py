@@ -177,9 +177,9 @@ class DraftJob:
         fed_rows = logits[len(logits) - len(self._fed):] if self._fed else logits[:0]
         nodes: list[tuple[int, torch.Tensor]] = [(depth - 2, chain_row)]
         nodes += [(BRANCH + index, row) for index, row in zip(self._fed, fed_rows, strict=True)]
-        probs = process_logits(torch.stack([row for _, row in nodes]), params)
-        scored = torch.softmax(torch.stack([row for _, row in nodes]).float(), dim=-1) \
-            if params.greedy else probs
+        rows = torch.stack([row for _, row in nodes])
+        probs = process_logits(rows, params)
+        scored = torch.softmax(rows.float(), dim=-1) if params.greedy else probs
         counts = self._branch_counts(nodes, scored)
         model_id = draw(probs[:1], params, position, Purpose.DRAFT)
         token = int(self.runner.vocab.model_to_target_ids(model_id)[0])

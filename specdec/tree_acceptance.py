@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.rejection import residual
+from specdec.rejection import Alternatives, residual
 from specdec.sampling import (
     Purpose,
     SamplingParams,
@@ -99,20 +99,11 @@ def _build_tree(draft_tokens: torch.Tensor, branch_tokens: Sequence[int],
     for node, token in enumerate(tokens[1:]):
         if not 0 <= token < vocab:
             raise ValueError(f"node {node}: token {token} is outside the vocabulary [0, {vocab})")
-    children: list[list[int]] = [[] for _ in tokens]
-    for node in range(k):
-        children[node].append(node)  # chain node j under node j - 1, whose entry is j
-    for branch, parent in enumerate(branch_parents):
-        node = k + branch
-        if not ROOT <= int(parent) < node:
-            raise ValueError(f"branch {branch} (node {node}): parent {parent} is outside "
-                             f"[-1, {node}): parents must precede their children")
-        children[int(parent) + 1].append(node)
-    draft_row = []
-    rows = 0
-    for kids in children:
-        draft_row.append(rows if kids else -1)
-        rows += bool(kids)
+    branches = Alternatives(tuple(tokens[k + 1:]), tuple(int(p) for p in branch_parents))
+    branches.check(k)
+    children = [branches.children(node, k) for node in range(ROOT, len(tokens) - 1)]
+    rows = {node: row for row, node in enumerate(branches.q_nodes(k))}
+    draft_row = [rows.get(node, -1) for node in range(ROOT, len(tokens) - 1)]
     return _Tree(k, tokens, children, draft_row)
 
 

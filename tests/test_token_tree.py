@@ -39,7 +39,6 @@ def test_tree_bookkeeping() -> None:
     assert tree.q_nodes(3) == [-1, 0, 1, 3]
     assert tree.kept_ranks(3, 0, (0, 1)) == [1, 0]
     assert tree.kept_ranks(3, 2, (2,)) == [0, 0, 1]
-    assert Alternatives.at_depths((5, 6), (1, 3)) == Alternatives((5, 6), (-1, 1))
     with pytest.raises(ValueError, match="outside"):
         Alternatives((7,), (3,)).check(3)
     with pytest.raises(ValueError, match="1 alternative tokens but 2 parents"):
