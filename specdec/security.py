@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -124,9 +124,132 @@ def served_files(settings: SecuritySettings) -> tuple[str, str] | None:
     return settings.tls_cert_file, settings.tls_key_file
 
 
+_Stamp = tuple[int, int, int] | None
+
+
+def _stamp(path: str) -> _Stamp:
+    """A file's (st_mtime_ns, st_size, st_ino), following links (a Kubernetes Secret
+    volume swaps its `..data` link), or None when it cannot be statted."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+
+
+class CertificateFiles:
+    """A TLS server's certificate, key and client CA files, and the gRPC certificate
+    configuration built from their versions in force.
+
+    fetch() runs before each new TLS handshake: it stats the files, as ApiKeys does its
+    keys file, and reads them only when one changed. A changed set whose certificate
+    chain, key and CA parse, with the key matching the certificate, replaces the one in
+    force; any other set keeps it, with one warning naming the file, and is tried again
+    when a file changes again. Connections open before a change keep the certificate
+    they were made with."""
+
+    def __init__(self, cert_file: str, key_file: str, ca_file: str | None = None) -> None:
+        """Read and check the files; ValueError when one is unreadable or they do not
+        form a matching pair."""
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.ca_file = ca_file
+        self._lock = threading.Lock()
+        self._stamps = self._stat()
+        self._refused: tuple[_Stamp, ...] | None = None
+        self.configuration = self._configuration(*self._read_all())
+
+    @property
+    def client_auth(self) -> bool:
+        """Whether the server requires client certificates signed by the CA file."""
+        return self.ca_file is not None
+
+    def _paths(self) -> tuple[str, ...]:
+        return (self.cert_file, self.key_file, *(() if self.ca_file is None
+                                                 else (self.ca_file,)))
+
+    def _stat(self) -> tuple[_Stamp, ...]:
+        return tuple(_stamp(path) for path in self._paths())
+
+    def _read_all(self) -> tuple[bytes, bytes, bytes | None]:
+        key = _read(self.key_file, "TLS key")
+        cert = _read(self.cert_file, "TLS cert")
+        ca = _read(self.ca_file, "TLS CA") if self.ca_file is not None else None
+        return cert, key, ca
+
+    def _configuration(self, cert: bytes, key: bytes,
+                       ca: bytes | None) -> grpc.ServerCertificateConfiguration:
+        """The configuration of these contents; ValueError naming the file at fault."""
+        from cryptography import x509
+        from cryptography.exceptions import UnsupportedAlgorithm
+        from cryptography.hazmat.primitives import serialization
+
+        def public(holder: Any) -> bytes:
+            return bytes(holder.public_bytes(serialization.Encoding.DER,
+                                             serialization.PublicFormat.SubjectPublicKeyInfo))
+
+        try:
+            chain = x509.load_pem_x509_certificates(cert)
+        except ValueError:
+            raise ValueError(f"TLS cert {self.cert_file!r} holds no PEM certificate") from None
+        try:
+            private = serialization.load_pem_private_key(key, password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            raise ValueError(f"TLS key {self.key_file!r} holds no unencrypted PEM private "
+                             "key") from None
+        if public(private.public_key()) != public(chain[0].public_key()):
+            raise ValueError(f"TLS key {self.key_file!r} does not match the certificate "
+                             f"in {self.cert_file!r}")
+        if ca is not None:
+            try:
+                x509.load_pem_x509_certificates(ca)
+            except ValueError:
+                raise ValueError(f"TLS CA {self.ca_file!r} holds no PEM "
+                                 "certificate") from None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """The configuration to switch to before a handshake, or None to keep the one in
+        force. Never raises: an exception here would fail the handshake."""
+        try:
+            with self._lock:
+                return self._fetch()
+        except Exception:  # a failed handshake is worse than a stale certificate
+            log.exception("checking the TLS files %s failed: keeping the certificate in "
+                          "force", ", ".join(self._paths()))
+            return None
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        stamps = self._stat()
+        if stamps == self._stamps or stamps == self._refused:
+            return None
+        try:
+            configuration = self._configuration(*self._read_all())
+        except Exception as error:  # unreadable, half written, mismatched: all refused
+            self._refused = stamps
+            log.warning("the TLS files %s changed but are not usable (%s): keeping the "
+                        "certificate in force until they change again",
+                        ", ".join(self._paths()), error)
+            return None
+        self._stamps, self._refused = stamps, None
+        self.configuration = configuration
+        log.info("serving the renewed TLS certificate %s%s", self.cert_file,
+                 f" and client CA {self.ca_file}" if self.ca_file else "")
+        return configuration
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """Server credentials that take up the files' changes at each new connection."""
+        # grpc's stubs type the fetcher without its None ("no change") result.
+        fetcher = cast("Callable[[], grpc.ServerCertificateConfiguration]", self.fetch)
+        return grpc.dynamic_ssl_server_credentials(self.configuration, fetcher,
+                                                   require_client_authentication=self.client_auth)
+
+
 def server_credentials(settings: SecuritySettings, *,
                        client_auth: bool) -> grpc.ServerCredentials | None:
-    """TLS credentials of a server, or None for plaintext.
+    """TLS credentials of a server, or None for plaintext. The certificate, key and
+    client CA files are read at start and again at a new connection after they change
+    (CertificateFiles).
 
     client_auth: require client certificates signed by --tls-ca-file (draft and target);
     ignored without a CA file."""
@@ -137,11 +260,9 @@ def server_credentials(settings: SecuritySettings, *,
                              "own --tls-cert-file and --tls-key-file")
         return None
     cert_file, key_file = files
-    pair = (_read(key_file, "TLS key"), _read(cert_file, "TLS cert"))
     require = client_auth and bool(settings.tls_ca_file)
-    root = _read(settings.tls_ca_file, "TLS CA") if require else None
-    return grpc.ssl_server_credentials([pair], root_certificates=root,
-                                       require_client_auth=require)
+    return CertificateFiles(cert_file, key_file,
+                            settings.tls_ca_file if require else None).credentials()
 
 
 def channel_credentials(settings: SecuritySettings) -> grpc.ChannelCredentials | None:
