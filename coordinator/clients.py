@@ -27,7 +27,7 @@ import torch
 
 from coordinator.routing import ChannelClosed, FixedRoute, Route
 from specdec import wire
-from specdec.errors import InvalidRequest, ServiceUnavailable
+from specdec.errors import DeadlineExceeded, InvalidRequest, ServiceUnavailable
 from specdec.grpc_server import MESSAGE_OPTIONS, check_health
 from specdec.grpc_status import from_rpc_error
 from specdec.history import TokenHistory
@@ -386,6 +386,8 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
         started = time.perf_counter()
         give_up = time.monotonic() + self.call_timeout_s
+        # Whether the request's deadline, not the per-call limit, is what ends the wait.
+        deadline_bound = self.deadline is not None and self.deadline <= give_up
         if self.deadline is not None:
             give_up = min(give_up, self.deadline)
         mirror, sync, resyncs = self._begin(session_id, committed)
@@ -395,8 +397,11 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
         while True:
             remaining = give_up - time.monotonic()
             if remaining <= 0:
-                raise ServiceUnavailable(f"target {self.endpoint} unavailable: no answer before "
-                                         f"the request deadline ({last_error})")
+                if deadline_bound:
+                    raise DeadlineExceeded(f"the request's deadline passed while waiting for "
+                                           f"target {self.endpoint} ({last_error})")
+                raise ServiceUnavailable(f"target {self.endpoint} unavailable: no answer within "
+                                         f"{self.call_timeout_s:g} s ({last_error})")
             request = target_pb2.VerifyRequest(
                 sync=wire.sync_to_proto(sync), draft_tokens=draft_tokens,
                 sampling=wire.sampling_to_proto(params),

@@ -103,7 +103,8 @@ def make_policy(num_draft_tokens: int, adaptive: bool, *,
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
     """Monotonic time to give up by: a little before the client's own deadline, so the
-    client receives our status (e.g. UNAVAILABLE naming the target), not its timeout."""
+    client receives our status (DEADLINE_EXCEEDED naming what the request waited for),
+    not its own timeout."""
     remaining = context.time_remaining()
     if remaining is None or remaining > 1e7:
         return None

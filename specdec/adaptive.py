@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -316,8 +316,10 @@ class AdaptiveLength:
         self._running_at_call = 0
         self.load = RUNNING_ALONE
         self._reference = self.initial  # the k other sessions draft, from their rows
-        self.alternatives_offered = 0.0  # discounted, over drafting rounds
-        self.alternatives_kept = 0.0
+        # Per tree node in the order the draft adds them (depth by depth, the most likely
+        # first): how often node i was offered and kept, discounted over drafting rounds.
+        self.alternatives_offered: list[float] = []
+        self.alternatives_kept: list[float] = []
         # Rounds whose k load made shorter than the session alone would have drafted.
         self.load_limited_rounds = 0
         self.load_limited = False  # this round's
@@ -380,17 +382,23 @@ class AdaptiveLength:
                 out[k] = value
         return out
 
-    def alternative_keep_rate(self) -> float:
-        """How often one offered alternative is kept (a weak prior of one in ten)."""
-        return (self.alternatives_kept + 0.1) / (self.alternatives_offered + 1.0)
+    def alternative_keep_rate(self, index: int) -> float:
+        """How often the draft's index-th alternative is kept when offered, with a weak
+        prior of one in ten: a node not offered for a while returns to the prior and is
+        tried again."""
+        offered = kept = 0.0
+        if index < len(self.alternatives_offered):
+            offered, kept = self.alternatives_offered[index], self.alternatives_kept[index]
+        return (kept + 0.1) / (offered + 1.0)
 
     def next_alternatives(self, limit: int) -> int:
         """How many alternatives (a token tree's nodes beside the chain) to verify this
-        round, at most `limit`: each is one more row of the target's forward, so they are
-        sent only while the tokens they are expected to add (keep rate over the round's
-        seconds) cover what the row costs this session and, under load, the others that
-        share the forward (the measured cost per row: where verifying more rows costs
-        more, trees shrink to chains even alone)."""
+        round, at most `limit`. Each is one more row of the target's forward, so the tree
+        grows node by node, in the order the draft adds them, while the token a node is
+        expected to add (its own keep rate over the round's seconds) covers what its row
+        costs this session and, under load, the others that share the forward (the
+        measured cost per row: where verifying more rows costs more, trees shrink, down to
+        chains, even alone)."""
         if limit <= 0:
             return limit
         k = self._choice if self._choice is not None else self._reference
@@ -399,13 +407,31 @@ class AdaptiveLength:
             return limit if k else 0
         per_row = self.costs.per_row_seconds()
         seconds += per_row * self.load.other_rows
-        gain = self.alternative_keep_rate() / seconds
         reference_s = (self.costs.round_seconds(self._reference) or seconds) \
             + per_row * self.load.other_rows
         others_rate = self.expected_tokens(self._reference) / reference_s
         cost = per_row * (self.expected_tokens(k) / seconds ** 2
                           + (self.load.sessions - 1.0) * others_rate / reference_s)
-        return limit if gain >= cost else 0
+        count = 0
+        while count < limit and self.alternative_keep_rate(count) / seconds >= cost:
+            count += 1
+        return count
+
+    def _observe_alternatives(self, offered: int, kept: Sequence[int]) -> None:
+        """One drafting round's tree: every node's evidence ages, the offered ones gain a
+        trial and the kept ones (the accepted path's) a success."""
+        grow = offered - len(self.alternatives_offered)
+        if grow > 0:
+            self.alternatives_offered += [0.0] * grow
+            self.alternatives_kept += [0.0] * grow
+        for index in range(len(self.alternatives_offered)):
+            self.alternatives_offered[index] *= self.decay
+            self.alternatives_kept[index] *= self.decay
+        for index in range(offered):
+            self.alternatives_offered[index] += 1.0
+        for index in kept:
+            if index < offered:
+                self.alternatives_kept[index] += 1.0
 
     # -- LengthPolicy ----------------------------------------------------------------------
     def next_length(self) -> int:
@@ -484,11 +510,8 @@ class AdaptiveLength:
         if self._choice is not None:
             self.chosen.append(self._choice)
             self._choice = None
-        if proposal is not None and proposal.alternatives:
-            self.alternatives_offered = (self.alternatives_offered * self.decay
-                                         + len(proposal.alternatives))
-            self.alternatives_kept = (self.alternatives_kept * self.decay
-                                      + len(verification.branch_tokens))
+        if proposal is not None and proposal.tokens:
+            self._observe_alternatives(len(proposal.alternatives), verification.kept_branches)
         own_rows = 1 + (len(proposal.tokens) + len(proposal.alternatives) if proposal else 0)
         batch = verification.batch
         running_now = self.running() if self.running is not None else 0

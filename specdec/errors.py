@@ -25,3 +25,9 @@ class KVBudgetExhausted(SpecdecError):
 
 class ServiceUnavailable(SpecdecError):
     code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(SpecdecError):
+    """The request's deadline passed before a service answered its round."""
+
+    code = "DEADLINE_EXCEEDED"

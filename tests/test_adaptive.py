@@ -27,6 +27,7 @@ from specdec.interfaces import ALONE, ForwardBatch, Proposal, Verification
 from specdec.local import LocalDrafter, LocalVerifier
 from specdec.loop import GenerateConfig, generate
 from specdec.policy import FixedLength
+from specdec.rejection import Alternatives
 from specdec.runner import ModelRunner
 
 
@@ -360,6 +361,40 @@ def test_alternatives_turn_off_under_load_and_stay_on_alone() -> None:
     simulate_load(policy, clock, 0.7, 64, 120, 0.004, 0.030, 0.0006, seed=3)
     policy.next_length()
     assert policy.next_alternatives(2) == 0
+
+
+def test_a_tree_grows_node_by_node_while_each_node_pays_for_its_row() -> None:
+    """Each alternative is judged by its own keep rate: the nodes the target keeps often
+    are sent, the one it never keeps stops being sent, and after a while unsent it is tried
+    again (its evidence fades back to the prior)."""
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, clock=clock, costs=CostModel())
+    simulate_load(policy, clock, 0.7, 1, 120, 0.004, 0.030, 0.0006)
+    # Node i is kept this often (siblings: at most one, so node 1 in 0.15 of rounds).
+    keep = [0.5, 0.3, 0.0]
+    rng = random.Random(0)
+    sent: list[int] = []
+    for round_index in range(400):
+        k = max(1, policy.next_length())
+        # Rounds 300 on send no tree: node 2's evidence fades back to the prior.
+        count = policy.next_alternatives(len(keep)) if round_index < 300 else 0
+        sent.append(count)
+        tree = Alternatives(tuple(range(count)), (-1,) * count)
+        kept = tuple(i for i in range(count) if rng.random() < keep[i])[:1]
+        forward = 0.030 + 0.0006 * (k + 1 + count)
+        clock.now += k * 0.004 + forward + 0.003
+        accepted = 0
+        while accepted < k and rng.random() < 0.7:
+            accepted += 1
+        policy.observe(k, accepted,
+                       Proposal(list(range(k)), None, k * 0.004, alternatives=tree),
+                       Verification(accepted, 0, forward, forward, kept_branches=kept,
+                                    branch_tokens=kept))
+        if round_index == 299:
+            assert Counter(sent[200:]).most_common(1)[0][0] == 2, Counter(sent)
+            assert policy.alternative_keep_rate(2) < 0.05 < policy.alternative_keep_rate(1)
+    policy.next_length()
+    assert policy.next_alternatives(len(keep)) == 3
 
 
 class Schedule:
