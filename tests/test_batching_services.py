@@ -132,7 +132,9 @@ def test_seeded_sampling_is_the_same_alone_and_under_load(services) -> None:
 
 def test_sampled_law_under_concurrent_load_matches_the_target() -> None:
     """(b) The joint law of the first 3 tokens (8-token vocabulary) by chi-square, the
-    samples drawn eight at a time while greedy requests load the same services."""
+    samples drawn eight at a time through the services while greedy requests load them.
+    It is also the law of requests run alone: a seeded request draws the same tokens alone
+    and under load (c)."""
     torch.set_num_threads(1)
     target = tiny_llama(8, seed=11, logit_scale=0.5)
     draft = tiny_llama(8, seed=12, layers=1, logit_scale=0.5)
