@@ -102,9 +102,13 @@ class Replicas:
     them all.
     """
 
-    def __init__(self, service_argv: Sequence[str], env: dict[str, str]) -> None:
+    def __init__(self, service_argv: Sequence[str], env: dict[str, str],
+                 spread: bool = False) -> None:
         self.service_argv = list(service_argv)
         self.env = env
+        # Ray's SPREAD strategy: round-robin over the nodes with room, so the replicas of
+        # one role land on different nodes; otherwise Ray's default (hybrid) placement.
+        self.scheduling = "SPREAD" if spread else "DEFAULT"
         self.actors: list[Any] = []
         self.infos: list[ReplicaInfo] = []
         self._specs: dict[str, ReplicaSpec] = {}
@@ -196,6 +200,7 @@ class Replicas:
         # its new address; Replicas.replace does both.
         actor = ray.remote(ServiceReplica).options(  # type: ignore[attr-defined]
             num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0,
+            scheduling_strategy=self.scheduling,
             runtime_env={"env_vars": self.env}).remote(spec.role, index, argv)
         with self._lock:
             self.actors.append(actor)  # listed at once, so stop() also kills one loading
@@ -228,11 +233,12 @@ def _kill(actor: Any) -> None:
 
 
 def start_replicas(specs: Sequence[ReplicaSpec], service_argv: Sequence[str],
-                   env: dict[str, str], timeout_s: float) -> Replicas:
+                   env: dict[str, str], timeout_s: float, spread: bool = False) -> Replicas:
     """Start the replicas of each spec in turn (those of one spec load in parallel) and
     wait until each serves. Specs in turn, target first: a draft times its precision as
-    it loads (--draft-dtype auto), which a target loading on the same node disturbs."""
-    replicas = Replicas(service_argv, env)
+    it loads (--draft-dtype auto), which a target loading on the same node disturbs.
+    With `spread`, Ray places them round-robin over the nodes (its SPREAD strategy)."""
+    replicas = Replicas(service_argv, env, spread)
     deadline = time.monotonic() + timeout_s  # for all of them together
     try:
         for spec in specs:

@@ -52,6 +52,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--watch-interval-s", 10.0,
                 "how often to check that every replica's actor is alive; a dead one is "
                 "replaced", type=float)
+    add_setting(parser, "--placement", "default",
+                "how Ray places the replicas: default (Ray's hybrid policy, which fills a "
+                "node up to a load threshold first) or spread (round-robin over the nodes, "
+                "so the replicas of one role sit on different nodes)",
+                choices=("default", "spread"))
     add_service_settings(parser)
     add_telemetry_settings(parser)
     parser.set_defaults(func=run)
@@ -104,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         check_capacity(specs, resources)
         argv = [*service_args(args), *replica_telemetry_argv(args)]
-        replicas = start_replicas(specs, argv, replica_env(), args.startup_timeout_s)
+        replicas = start_replicas(specs, argv, replica_env(), args.startup_timeout_s,
+                                  spread=args.placement == "spread")
         try:
             for info in replicas.infos:
                 metrics = f"  metrics :{info.metrics_port}" if info.metrics_port else ""
@@ -190,5 +196,7 @@ def _watch(replicas: Replicas, endpoints: ReplicaEndpoints, stopped: threading.E
             replica_set = endpoints.target if info.role == "target" else endpoints.draft
             if replica_set is not None:
                 replica_set.replace_static(replicas.addresses(info.role))
+            metrics = f"  metrics :{info.metrics_port}" if info.metrics_port else ""
             print(f"replaced {info.role} replica {info.index}: {dead.address} -> "
-                  f"{info.address}  node {info.node_id[:12]}  pid {info.pid}", flush=True)
+                  f"{info.address}  node {info.node_id[:12]}  pid {info.pid}{metrics}",
+                  flush=True)
