@@ -284,7 +284,7 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0,
-                num_alternatives: int = 0) -> Proposal:
+                num_alternatives: int = 0, max_alternative_depth: int = 0) -> Proposal:
         started = time.perf_counter()
         mirror, sync, resyncs = self._begin(session_id, committed)
         refused = 0
@@ -292,7 +292,8 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
             request = draft_pb2.ProposeRequest(sync=wire.sync_to_proto(sync), num_tokens=num_tokens,
                                                sampling=wire.sampling_to_proto(params),
                                                min_confidence=min_confidence,
-                                               num_alternatives=num_alternatives)
+                                               num_alternatives=num_alternatives,
+                                               max_alternative_depth=max_alternative_depth)
             if committed.target_hidden is not None:
                 request.target_hidden_states.CopyFrom(
                     wire.encode_hidden(draft_hidden_rows(committed, sync)))

@@ -279,6 +279,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 num_draft_tokens=valid.num_draft_tokens,
                                 draft_confidence=valid.draft_confidence,
                                 num_alternatives=valid.num_alternatives,
+                                max_alternative_depth=valid.max_alternative_depth,
                                 prompt_lookup=self._prompt_lookup(valid),
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)

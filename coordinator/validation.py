@@ -38,6 +38,7 @@ class ValidRequest:
     draft_confidence: float = 0.0
     num_alternatives: int = 0
     prompt_lookup_tokens: int = 0
+    max_alternative_depth: int = 0
 
 
 def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
@@ -67,6 +68,10 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not 0 <= num_alternatives <= DECODE_ROWS:
             raise InvalidRequest(f"speculation.num_alternatives must be in "
                                  f"[0, {DECODE_ROWS}], got {num_alternatives}")
+    max_alternative_depth = request.speculation.max_alternative_depth
+    if max_alternative_depth < 0:
+        raise InvalidRequest(f"speculation.max_alternative_depth must be 0 (no limit) or "
+                             f"more, got {max_alternative_depth}")
     lookup_tokens = limits.default_lookup_tokens
     if request.HasField("speculation") and request.speculation.HasField("prompt_lookup_tokens"):
         lookup_tokens = request.speculation.prompt_lookup_tokens
@@ -105,7 +110,8 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
             f"tokens exceeds the target's context of {limits.max_context}; at most "
             f"{limits.max_context - len(prompt_ids)}")
     return ValidRequest(prompt_ids, request.max_new_tokens, sampling, num_draft_tokens,
-                        adaptive, stop, draft_confidence, num_alternatives, lookup_tokens)
+                        adaptive, stop, draft_confidence, num_alternatives, lookup_tokens,
+                        max_alternative_depth)
 
 
 def speculation_mode(request: coordinator_pb2.GenerateRequest,
@@ -137,6 +143,8 @@ def check_target_only(request: coordinator_pb2.GenerateRequest) -> None:
     speculative = [name for name in ("draft_confidence", "num_alternatives",
                                      "prompt_lookup_tokens")
                    if speculation.HasField(name) and getattr(speculation, name) != 0]
+    if speculation.max_alternative_depth:
+        speculative.append("max_alternative_depth")
     if speculative:
         raise InvalidRequest(
             f"speculation.{speculative[0]} applies to speculative requests, but "

@@ -56,6 +56,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if not 0 <= request.num_alternatives <= DECODE_ROWS:
             raise InvalidRequest(f"num_alternatives must be in [0, {DECODE_ROWS}], got "
                                  f"{request.num_alternatives}")
+        if request.max_alternative_depth < 0:
+            raise InvalidRequest(f"max_alternative_depth must be 0 (no limit) or more, got "
+                                 f"{request.max_alternative_depth}")
         if self.runner.needs_target_hidden and not request.HasField("target_hidden_states"):
             raise InvalidRequest(
                 "this draft reads the target's hidden states: send target_hidden_states "
@@ -72,7 +75,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     request.target_hidden_states, len(sync.append),
                     self.runner.target_hidden_size, "target_hidden_states")
             return DraftJob(self.runner, sync, request.num_tokens, params,
-                            request.min_confidence, target_hidden, request.num_alternatives)
+                            request.min_confidence, target_hidden, request.num_alternatives,
+                            request.max_alternative_depth)
 
         def finish(job: DraftJob) -> tuple[DraftOutput, common_pb2.DraftProbs | None]:
             out = job.output()

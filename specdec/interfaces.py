@@ -94,10 +94,11 @@ class Drafter(Protocol):
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0,
-                num_alternatives: int = 0) -> Proposal:
+                num_alternatives: int = 0, max_alternative_depth: int = 0) -> Proposal:
         """Up to num_tokens tokens: fewer only when min_confidence stops the draft.
         num_alternatives: a token tree with up to that many alternatives beside the
-        chain, in Proposal.alternatives."""
+        chain, in Proposal.alternatives, at most max_alternative_depth levels below the
+        chain (0: no limit)."""
         ...
 
     def release(self, session_id: str) -> None: ...

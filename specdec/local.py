@@ -26,19 +26,21 @@ class LocalDrafter:
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0,
-                num_alternatives: int = 0) -> Proposal:
+                num_alternatives: int = 0, max_alternative_depth: int = 0) -> Proposal:
         started = time.perf_counter()
         mirror = self._mirrors.setdefault(session_id, CacheMirror())
         resyncs = 0
         try:
             sync = mirror.plan(session_id, committed)
             out = draft_step(self.runner, sync, num_tokens, params, min_confidence,
-                             self._hidden_for(sync, committed), num_alternatives)
+                             self._hidden_for(sync, committed), num_alternatives,
+                             max_alternative_depth)
         except CacheSyncError:  # evicted under memory pressure: rebuild from the prefix
             resyncs = 1
             sync = mirror.full_resync(session_id, committed)
             out = draft_step(self.runner, sync, num_tokens, params, min_confidence,
-                             self._hidden_for(sync, committed), num_alternatives)
+                             self._hidden_for(sync, committed), num_alternatives,
+                             max_alternative_depth)
         mirror.record(committed, out.tokens[:-1])
         probs = None if out.probs is None else self.runner.vocab.to_target_probs(out.probs)
         return Proposal(out.tokens, probs, time.perf_counter() - started, out.forward_s, resyncs,

@@ -38,8 +38,10 @@ class GenerateConfig:
     num_draft_tokens: int = default("num-draft-tokens")  # 0 = target only
     # Stop a proposal after a token the draft gives less than this probability (0 = off).
     draft_confidence: float = 0.0
-    # A token tree: up to this many alternatives verified beside the chain (0 = a chain).
+    # A token tree: up to this many alternatives verified beside the chain (0 = a chain),
+    # at most this many levels below it (1 = each follows a chain token; 0 = no limit).
     num_alternatives: int = 0
+    max_alternative_depth: int = 0
     # Tried before the draft each round; a hit replaces the draft's proposal (None = off).
     prompt_lookup: PromptLookup | None = None
     eos_token_ids: Sequence[int] = ()
@@ -181,7 +183,7 @@ class _Generation:
         try:
             proposal = self.drafter.propose(  # type: ignore[union-attr]
                 self.session_id, self.committed, asked, self.params,
-                self.config.draft_confidence, alternatives)
+                self.config.draft_confidence, alternatives, self.config.max_alternative_depth)
         except DraftUnavailable:
             self.backoff.failed()
             self.stats.degraded = True

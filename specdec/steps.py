@@ -101,6 +101,7 @@ class _Branch:
     model_id: int
     parent: int  # a chain node (-1: the committed prefix), or BRANCH + a branch index
     depth: int
+    level: int  # levels below the chain: 1 for a chain node's branch
     score: float  # the draft's probability of the node's path
     q: torch.Tensor | None = None  # the row its children were drawn from, once it has any
 
@@ -126,7 +127,9 @@ class DraftJob:
     next-best tokens), and how many a node gets is fixed before they are drawn, from the
     node's distribution and its path alone: the contract that keeps sampled trees exact.
     The most promising branches of a depth are expanded at the next one; their ancestors
-    ride along in that forward and leave the cache after it.
+    ride along in that forward and leave the cache after it. max_alternative_depth caps
+    how many levels below the chain branches go (1: every branch follows a chain token;
+    0: no cap).
 
     target_hidden: for a feature draft, the target's hidden state one position before
     each of sync.append's tokens; its own output state stands in for the tokens it drafts
@@ -136,7 +139,7 @@ class DraftJob:
     def __init__(self, runner: ModelRunner, sync: SyncPoint, num_tokens: int,
                  params: SamplingParams, min_confidence: float = 0.0,
                  target_hidden: torch.Tensor | None = None,
-                 num_alternatives: int = 0) -> None:
+                 num_alternatives: int = 0, max_alternative_depth: int = 0) -> None:
         self.runner = runner
         self.sync = sync
         self.num_tokens = num_tokens
@@ -144,6 +147,7 @@ class DraftJob:
         self.min_confidence = min_confidence
         self.num_alternatives = 0 if runner.needs_target_hidden else min(
             num_alternatives, alternatives_budget(num_tokens))
+        self.max_alternative_depth = max_alternative_depth
         self._hidden_rows = int(runner.needs_target_hidden)
         self._next = ExtendRequest(sync.session_id, sync.committed_position, sync.fingerprint,
                                    list(sync.append), num_logits=1,
@@ -194,11 +198,12 @@ class DraftJob:
             score = self._chain_score if chain_bearing else self.branches[node - BRANCH].score
             if drawn and not chain_bearing:
                 self.branches[node - BRANCH].q = probs[slot]
+            level = 1 if chain_bearing else self.branches[node - BRANCH].level + 1
             for sibling in drawn:
                 new.append(len(self.branches))
                 self.branches.append(_Branch(
                     int(self.runner.vocab.model_to_target_ids(torch.tensor([sibling]))[0]),
-                    sibling, node, depth, score * float(scored[slot, sibling])))
+                    sibling, node, depth, level, score * float(scored[slot, sibling])))
         self.tokens.append(token)
         self._rows.append(probs[0])
         self._chain_score *= chain_q
@@ -244,8 +249,10 @@ class DraftJob:
         """The chain's new token, then the branches to expand at the next depth (the
         most promising of this depth's) after the ancestors they need in the cache."""
         room = self.num_alternatives - len(self.branches)
+        cap = self.max_alternative_depth
         expand = sorted((index for index in new if self.branches[index].score
-                         >= MIN_BRANCH_SCORE), key=lambda i: -self.branches[i].score)
+                         >= MIN_BRANCH_SCORE and not 0 < cap <= self.branches[index].level),
+                        key=lambda i: -self.branches[i].score)
         self._fed = sorted(expand[:EXPANDED_PER_DEPTH] if room > 0 else [])
         context: set[int] = set()
         for index in self._fed:
@@ -396,10 +403,11 @@ def draft_batch(runner: ModelRunner, jobs: Sequence[DraftJob]) -> list[DraftOutp
 def draft_step(runner: ModelRunner, sync: SyncPoint, num_tokens: int,
                params: SamplingParams, min_confidence: float = 0.0,
                target_hidden: torch.Tensor | None = None,
-               num_alternatives: int = 0) -> DraftOutput:
+               num_alternatives: int = 0, max_alternative_depth: int = 0) -> DraftOutput:
     """One proposal alone (see DraftJob)."""
     out = draft_batch(runner, [DraftJob(runner, sync, num_tokens, params, min_confidence,
-                                        target_hidden, num_alternatives)])[0]
+                                        target_hidden, num_alternatives,
+                                        max_alternative_depth)])[0]
     if isinstance(out, Exception):
         raise out
     return out

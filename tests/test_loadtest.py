@@ -75,6 +75,10 @@ def test_load_modes_parse() -> None:
     assert request_for(tree, LoadPrompt("p", [1, 2]), 8).speculation.num_alternatives == 10
     assert not request_for(parse_load_mode("adaptive"), LoadPrompt("p", [1, 2]),
                            8).speculation.HasField("num_alternatives")
+    flat = parse_load_mode("k=2+f2")
+    assert (flat.num_alternatives, flat.max_alternative_depth) == (2, 1)
+    assert request_for(flat, LoadPrompt("p", [1, 2]), 8).speculation.max_alternative_depth == 1
+    assert parse_load_mode("adaptive+a2").max_alternative_depth == 0
     with pytest.raises(ValueError, match=r"\+aN"):
         parse_load_mode("k=4+b2")
     sampled = request_for(replace(tree, temperature=1.0, top_p=0.9), LoadPrompt("p", [1, 2]), 8)

@@ -53,6 +53,7 @@ def test_a_length_without_adaptive_is_fixed_and_zero_is_target_only() -> None:
     (dict(num_draft_tokens=17, adaptive=True), "speculation.num_draft_tokens"),
     (dict(draft_confidence=0.3), "speculation.draft_confidence"),
     (dict(num_alternatives=2), "speculation.num_alternatives"),
+    (dict(max_alternative_depth=1), "speculation.max_alternative_depth"),
     (dict(prompt_lookup_tokens=4), "speculation.prompt_lookup_tokens"),
 ])
 def test_meaningless_speculation_is_rejected_naming_the_field(

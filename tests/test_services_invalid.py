@@ -43,7 +43,7 @@ def generate_request(**fields: object) -> coordinator_pb2.GenerateRequest:
         if name.startswith("sampling_"):
             setattr(message.sampling, name.removeprefix("sampling_"), value)
         elif name in ("num_draft_tokens", "draft_confidence", "num_alternatives",
-                      "prompt_lookup_tokens"):
+                      "prompt_lookup_tokens", "max_alternative_depth"):
             setattr(message.speculation, name, value)
         elif name in ("prompt_token_ids", "stop"):
             field = getattr(message, name)
@@ -82,6 +82,8 @@ INVALID = {
     "num_alternatives < 0": (dict(num_alternatives=-1), "speculation.num_alternatives"),
     "num_alternatives too large": (dict(num_alternatives=1000),
                                    "speculation.num_alternatives"),
+    "max_alternative_depth < 0": (dict(max_alternative_depth=-1),
+                                  "speculation.max_alternative_depth"),
     "prompt_lookup_tokens < 0": (dict(prompt_lookup_tokens=-1),
                                  "speculation.prompt_lookup_tokens"),
     "prompt_lookup_tokens too large": (dict(prompt_lookup_tokens=17),
@@ -154,6 +156,9 @@ def propose_cases() -> dict[str, tuple[draft_pb2.ProposeRequest, str]]:
             sampling=common_pb2.SamplingParams(temperature=math.nan)), "temperature"),
         "num_alternatives huge": (draft_pb2.ProposeRequest(
             sync=sync([1, 2]), num_tokens=2, num_alternatives=1000), "num_alternatives"),
+        "max_alternative_depth < 0": (draft_pb2.ProposeRequest(
+            sync=sync([1, 2]), num_tokens=2, num_alternatives=2, max_alternative_depth=-1),
+            "max_alternative_depth"),
     }
 
 

@@ -70,13 +70,15 @@ def test_greedy_walk_follows_the_targets_choice_through_the_tree() -> None:
 
 
 def _tree_events(target: torch.nn.Module, draft: torch.nn.Module, k: int, alternatives: int,
-                 params: SamplingParams | None = None, new_tokens: int = 40
+                 params: SamplingParams | None = None, new_tokens: int = 40,
+                 max_alternative_depth: int = 0
                  ) -> tuple[list[int], list[RoundEvent], ModelRunner, ModelRunner]:
     events: list[RoundEvent] = []
     draft_runner, target_runner = ModelRunner(draft), ModelRunner(target)
     result = generate(LocalDrafter(draft_runner), LocalVerifier(target_runner), PROMPT,
                       GenerateConfig(max_new_tokens=new_tokens, num_draft_tokens=k,
                                      num_alternatives=alternatives,
+                                     max_alternative_depth=max_alternative_depth,
                                      sampling=params or SamplingParams(), session_id="s"),
                       on_round=events.append)
     return result.token_ids, events, draft_runner, target_runner
@@ -123,6 +125,21 @@ def test_trees_go_deeper_than_one_level_and_paths_through_them_are_kept() -> Non
     assert deep, "no alternative ever had children of its own"
     assert any(len(event.kept_branches) >= 2 for event in events), \
         "no accepted path ran through two alternatives"
+
+
+def test_alternatives_one_level_deep_all_follow_chain_tokens() -> None:
+    """max_alternative_depth 1: the same prompt and draft as the deep-tree test above, and
+    every alternative's parent is a chain node; the output is still the target's."""
+    target, draft = _noisy(tiny_llama, seed=3)
+    tokens, events, _, _ = _tree_events(target, draft, 4, 8, new_tokens=60,
+                                        max_alternative_depth=1)
+    assert tokens == hf_greedy(target, PROMPT, 60)
+    trees = [event.proposal for event in events
+             if event.proposal is not None and event.proposal.alternatives]
+    assert trees and sum(len(tree.alternatives) for tree in trees) > len(trees)
+    for tree in trees:
+        assert all(parent < len(tree.tokens) for parent in tree.alternatives.parents)
+    assert any(event.kept_branches for event in events)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)],

@@ -27,10 +27,12 @@ LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident", "adaptive+a0")
 # every round, ended by the confidence gate alone: transformers' assisted generation's
 # scheme, in specdec). A "+aN" suffix makes the draft a token tree with up to N
 # alternatives per round (default: as served, SPECDEC_DRAFT_ALTERNATIVES for adaptive, a
-# chain for fixed lengths); "adaptive+a0" is adaptive with the chain alone. A
+# chain for fixed lengths); "adaptive+a0" is adaptive with the chain alone; "+fN" is the
+# same with the alternatives one level deep (each follows a chain token). A
 # "+pN" suffix sets prompt lookup's tokens per round (default: as served,
 # SPECDEC_PROMPT_LOOKUP_TOKENS; "+p0" = off). Suffixes combine: "2+a0+p0".
-SUFFIXES = {"a": "alternatives", "p": "prompt lookup tokens"}
+SUFFIXES = {"a": "alternatives", "f": "alternatives one level deep",
+            "p": "prompt lookup tokens"}
 POLICIES = ("adaptive", "heuristic", "confident")
 GATED = ("adaptive", "confident")  # the policies the confidence gate applies to
 
@@ -74,8 +76,16 @@ class BenchConfig:
 
     @property
     def alternatives(self) -> int | None:
-        """A token tree's alternatives per round a "+aN" suffix sets (None: as served)."""
-        return self._suffix("a")
+        """A token tree's alternatives per round a "+aN" or "+fN" suffix sets (None: as
+        served)."""
+        tree = self._suffix("a")
+        return tree if tree is not None else self._suffix("f")
+
+    @property
+    def alternative_depth(self) -> int:
+        """Levels below the chain the alternatives may go: 1 with "+fN", else 0 (no
+        limit)."""
+        return 1 if self._suffix("f") is not None else 0
 
     @property
     def lookup_tokens(self) -> int | None:

@@ -50,27 +50,33 @@ class LoadMode:
     num_draft_tokens: int
     adaptive: bool = False
     num_alternatives: int | None = None  # a token tree's alternatives (None: as served)
+    max_alternative_depth: int = 0  # 1: alternatives one level deep; 0: no limit
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
 
 
 def parse_load_mode(text: str) -> LoadMode:
     """'target-only' (or '0'), 'adaptive', or a fixed length 'k=N' (or 'N'); a speculative
-    mode may end in '+aN': a token tree of up to N alternatives ('+a0': a chain)."""
+    mode may end in '+aN': a token tree of up to N alternatives ('+a0': a chain), or in
+    '+fN': N alternatives one level deep (each follows a chain token)."""
     name = text.strip()
     base, plus, suffix = name.partition("+")
     alternatives = None
+    depth = 0
     if plus:
-        if not (suffix[:1] == "a" and suffix[1:].isdigit()):
-            raise ValueError(f"unknown load mode {name!r}: the one suffix is +aN "
-                             "(alternatives per round)")
+        if not (suffix[:1] in ("a", "f") and suffix[1:].isdigit()):
+            raise ValueError(f"unknown load mode {name!r}: the suffixes are +aN (a token "
+                             "tree of N alternatives per round) and +fN (N alternatives "
+                             "one level deep)")
         alternatives = int(suffix[1:])
+        depth = 1 if suffix[0] == "f" else 0
     if base in (TARGET_ONLY, "0", "k=0"):
         if plus:
             raise ValueError(f"load mode {name!r}: target-only takes no alternatives")
         return LoadMode(TARGET_ONLY, 0)
     if base == ADAPTIVE:
-        return LoadMode(name, ADAPTIVE_START, adaptive=True, num_alternatives=alternatives)
+        return LoadMode(name, ADAPTIVE_START, adaptive=True, num_alternatives=alternatives,
+                        max_alternative_depth=depth)
     digits = base.removeprefix("k=")
     if not digits.isdigit():
         raise ValueError(f"unknown load mode {name!r}: use target-only, adaptive or k=N, "
@@ -78,7 +84,7 @@ def parse_load_mode(text: str) -> LoadMode:
     if not int(digits):
         return LoadMode(TARGET_ONLY, 0)
     return LoadMode(f"k={int(digits)}{plus}{suffix}", int(digits),
-                    num_alternatives=alternatives)
+                    num_alternatives=alternatives, max_alternative_depth=depth)
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
         request_id=f"load-{mode.name}-{prompt.id}")
     if mode.num_alternatives is not None:
         request.speculation.num_alternatives = mode.num_alternatives
+    request.speculation.max_alternative_depth = mode.max_alternative_depth
     if mode.temperature > 0:
         # One seed per prompt: every mode and level draws the same prompt's output from
         # the same stream.

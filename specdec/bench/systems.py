@@ -76,6 +76,7 @@ def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
                                 num_draft_tokens=0, eos_token_ids=eos,
                                 draft_confidence=draft_confidence(config),
                                 num_alternatives=alternatives(config),
+                                max_alternative_depth=config.alternative_depth,
                                 prompt_lookup=prompt_lookup(
                                     config, verifier.runner.vocab.target_vocab_size)
                                 if speculative else None)
@@ -105,6 +106,7 @@ def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
     request.speculation.draft_confidence = draft_confidence(config)
     if config.alternatives is not None:
         request.speculation.num_alternatives = config.alternatives
+    request.speculation.max_alternative_depth = config.alternative_depth
     if config.lookup_tokens is not None:
         request.speculation.prompt_lookup_tokens = config.lookup_tokens
     return request

@@ -214,17 +214,15 @@ class Tally:
             self.examples.append(text)
 
 
-def expected_failure(kind: str, code: str, details: str) -> bool:
+def expected_failure(kind: str, code: str) -> bool:
     """Whether a request of this kind may end with this status.
 
-    A request that runs to the end must succeed. One whose deadline expires may end
-    DEADLINE_EXCEEDED, or UNAVAILABLE when the coordinator was still waiting for a target
-    (a killed replica's sessions move, which takes longer than the shortest deadlines):
-    the coordinator answers just before the deadline, naming the target. A cancelled one
-    ends CANCELLED on the client's side."""
+    A request that runs to the end must succeed. One whose deadline expires ends
+    DEADLINE_EXCEEDED: from the coordinator, just before the deadline, naming the target
+    it waited for when a killed replica's sessions were still moving; or from the
+    client's own timer. A cancelled one ends CANCELLED on the client's side."""
     if kind == "deadline":
-        return code == "DEADLINE_EXCEEDED" or (
-            code == "UNAVAILABLE" and "before the request deadline" in details)
+        return code == "DEADLINE_EXCEEDED"
     return kind == "cancel" and code == "CANCELLED"
 
 
@@ -780,7 +778,7 @@ def load(args: argparse.Namespace, stack: Stack, stopping: threading.Event,
                         tally.no_status += 1
                     else:
                         tally.by_status[code.name] += 1
-                        if not expected_failure(kind, code.name, error.details() or ""):
+                        if not expected_failure(kind, code.name):
                             tally.unexpected[f"{kind}: {code.name}"] += 1
                             tally.note(f"{kind}: {code.name}: {error.details()}")
             except Exception as error:  # noqa: BLE001 - counted: a request without a status

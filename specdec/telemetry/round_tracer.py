@@ -289,11 +289,12 @@ class _TracedDrafter:
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0,
-                num_alternatives: int = 0) -> Proposal:
+                num_alternatives: int = 0, max_alternative_depth: int = 0) -> Proposal:
         self.owner.begin_round()
         with self.owner.step_span(n.PROPOSE_STEP_SPAN) as span:
             proposal = self.inner.propose(session_id, committed, num_tokens, params,
-                                          min_confidence, num_alternatives)
+                                          min_confidence, num_alternatives,
+                                          max_alternative_depth)
             if span is not None:
                 span.set_attributes({n.FORWARD_MS: _ms(proposal.forward_s),
                                      n.PROPOSED: len(proposal.tokens),

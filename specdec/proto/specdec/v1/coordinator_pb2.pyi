@@ -114,6 +114,7 @@ class SpeculationParams(_message.Message):
     DRAFT_CONFIDENCE_FIELD_NUMBER: _builtins.int
     NUM_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     PROMPT_LOOKUP_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_ALTERNATIVE_DEPTH_FIELD_NUMBER: _builtins.int
     num_draft_tokens: _builtins.int
     """Tokens drafted per round: with `adaptive`, where the length starts (0 = the
     coordinator's default); without, a fixed length, and 0 = target only. A request
@@ -137,6 +138,11 @@ class SpeculationParams(_message.Message):
     unchanged, every sampling mode). Absent = the coordinator's
     SPECDEC_PROMPT_LOOKUP_TOKENS; 0 = off. Requests with num_draft_tokens = 0 never look up.
     """
+    max_alternative_depth: _builtins.int
+    """How many levels below the chain a token tree's alternatives may go: 1 = each one
+    follows a chain token (alternatives one level deep); 0 = as deep as the draft finds
+    them worth a row. Only with num_alternatives.
+    """
     def __init__(
         self,
         *,
@@ -145,10 +151,11 @@ class SpeculationParams(_message.Message):
         draft_confidence: _builtins.float | None = ...,
         num_alternatives: _builtins.int | None = ...,
         prompt_lookup_tokens: _builtins.int | None = ...,
+        max_alternative_depth: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "max_alternative_depth", b"max_alternative_depth", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__draft_confidence: _TypeAlias = _typing.Literal["draft_confidence"]  # noqa: Y015
     _WhichOneofArgType__draft_confidence: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence"]  # noqa: Y015

@@ -29,6 +29,7 @@ class ProposeRequest(_message.Message):
     MIN_CONFIDENCE_FIELD_NUMBER: _builtins.int
     TARGET_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     NUM_ALTERNATIVES_FIELD_NUMBER: _builtins.int
+    MAX_ALTERNATIVE_DEPTH_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
     """The most tokens to propose."""
     min_confidence: _builtins.float
@@ -39,6 +40,10 @@ class ProposeRequest(_message.Message):
     """Propose a token tree: up to this many alternatives beside the chain, where the draft
     deems them most likely to be kept. 0 = a chain. A draft that reads the target's
     hidden states proposes a chain.
+    """
+    max_alternative_depth: _builtins.int
+    """How many levels below the chain the alternatives may go: 1 = each follows a chain
+    token; 0 = no limit.
     """
     @_builtins.property
     def sync(self) -> _common_pb2.SyncPoint: ...
@@ -60,10 +65,11 @@ class ProposeRequest(_message.Message):
         min_confidence: _builtins.float = ...,
         target_hidden_states: _common_pb2.HiddenStates | None = ...,
         num_alternatives: _builtins.int = ...,
+        max_alternative_depth: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "sync", b"sync", "target_hidden_states", b"target_hidden_states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_confidence", b"min_confidence", "num_alternatives", b"num_alternatives", "num_tokens", b"num_tokens", "sampling", b"sampling", "sync", b"sync", "target_hidden_states", b"target_hidden_states"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_alternative_depth", b"max_alternative_depth", "min_confidence", b"min_confidence", "num_alternatives", b"num_alternatives", "num_tokens", b"num_tokens", "sampling", b"sampling", "sync", b"sync", "target_hidden_states", b"target_hidden_states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
