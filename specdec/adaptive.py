@@ -393,25 +393,25 @@ class AdaptiveLength:
 
     def next_alternatives(self, limit: int) -> int:
         """How many alternatives (a token tree's nodes beside the chain) to verify this
-        round, at most `limit`. Each is one more row of the target's forward, so the tree
-        grows node by node, in the order the draft adds them, while the token a node is
-        expected to add (its own keep rate over the round's seconds) covers what its row
-        costs this session and, under load, the others that share the forward (the
-        measured cost per row: where verifying more rows costs more, trees shrink, down to
-        chains, even alone)."""
+        round, at most `limit`.
+
+        Alone, each is one more row of the session's own forward, so the tree grows node
+        by node, in the order the draft adds them, while the token a node is expected to
+        add (its own keep rate over the round's seconds) covers what its row costs (the
+        measured cost per row: where verifying more rows costs more, trees shrink, down
+        to chains). Under load (other sessions expected in the forward) the tree is a
+        chain: every row lengthens the forward all of them wait for, and a node's keep
+        rate buys one session a token where the same row costs each of the others a
+        share of theirs (docs/performance.md#token-trees measures it)."""
         if limit <= 0:
             return limit
+        if not self.load.alone:
+            return 0
         k = self._choice if self._choice is not None else self._reference
         seconds = self.costs.round_seconds(k)
         if k == 0 or seconds is None or seconds <= 0:
             return limit if k else 0
-        per_row = self.costs.per_row_seconds()
-        seconds += per_row * self.load.other_rows
-        reference_s = (self.costs.round_seconds(self._reference) or seconds) \
-            + per_row * self.load.other_rows
-        others_rate = self.expected_tokens(self._reference) / reference_s
-        cost = per_row * (self.expected_tokens(k) / seconds ** 2
-                          + (self.load.sessions - 1.0) * others_rate / reference_s)
+        cost = self.costs.per_row_seconds() * self.expected_tokens(k) / seconds ** 2
         count = 0
         while count < limit and self.alternative_keep_rate(count) / seconds >= cost:
             count += 1

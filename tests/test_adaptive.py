@@ -358,9 +358,12 @@ def test_alternatives_turn_off_under_load_and_stay_on_alone() -> None:
     simulate_load(policy, clock, 0.7, 1, 120, 0.004, 0.030, 0.0006)
     policy.next_length()
     assert policy.next_alternatives(2) == 2  # alone (or unknown load): as configured
-    simulate_load(policy, clock, 0.7, 64, 120, 0.004, 0.030, 0.0006, seed=3)
+    simulate_load(policy, clock, 0.7, 2, 40, 0.004, 0.030, 0.0006, seed=3)
     policy.next_length()
-    assert policy.next_alternatives(2) == 0
+    assert policy.next_alternatives(2) == 0  # one other session in the forward: a chain
+    simulate_load(policy, clock, 0.7, 1, 40, 0.004, 0.030, 0.0006, seed=4)
+    policy.next_length()
+    assert policy.next_alternatives(2) == 2  # alone again: the tree is back
 
 
 def test_a_tree_grows_node_by_node_while_each_node_pays_for_its_row() -> None:
