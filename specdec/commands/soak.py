@@ -260,10 +260,14 @@ class LocalStack:
     replica is restarted on its port."""
 
     def __init__(self, args: argparse.Namespace, env: dict[str, str], log_dir: Path) -> None:
-        from specdec.stack import free_port
+        from specdec.stack import free_port, host_cpus, split_threads
 
         self.args = args
         serve = [sys.executable, "-m", "specdec.cli", "serve"]
+        # Each draft/target pair gets its share of the cores, split as `specdec up`
+        # splits them, unless --serve-arg or SPECDEC_TORCH_THREADS sets the threads.
+        threads = split_threads(args.serve_arg, {}, env,
+                                max(1, host_cpus() // args.replicas))
         self.processes: list[Process] = []
         for role in ROLES:
             for index in range(args.replicas):
@@ -271,8 +275,8 @@ class LocalStack:
                 self.processes.append(Process(
                     role, f"{role}-{index}", port, metrics,
                     [*serve, role, "--port", str(port), "--metrics-port", str(metrics),
-                     *model_flags(args), *args.serve_arg], log_dir / f"{role}-{index}.log",
-                    env))
+                     *model_flags(args), *args.serve_arg, *threads.get(role, [])],
+                    log_dir / f"{role}-{index}.log", env))
         endpoints = {role: ",".join(p.endpoint for p in self.processes if p.role == role)
                      for role in ROLES}
         port = free_port()
