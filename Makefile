@@ -30,9 +30,11 @@ demo: install
 	$(VENV)/bin/specdec prepare
 	$(VENV)/bin/specdec demo
 
+# One pytest worker per core, at most 4 (each loads its own models); tests that start a
+# Ray cluster share one worker (tests/conftest.py).
 test: install
 	$(VENV)/bin/specdec prepare
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 
 # Python code for protos/ into specdec/proto/ (committed; never edit it by hand).
 protos: install

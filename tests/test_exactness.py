@@ -50,9 +50,9 @@ class RawLogitsDrafter(LocalDrafter):
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0,
-                num_alternatives: int = 0) -> Proposal:
+                num_alternatives: int = 0, max_alternative_depth: int = 0) -> Proposal:
         proposal = super().propose(session_id, committed, num_tokens, params, min_confidence,
-                                   num_alternatives)
+                                   num_alternatives, max_alternative_depth)
         ids = torch.tensor([committed.tokens + proposal.tokens])
         with torch.inference_mode():
             logits = self.runner.model(input_ids=ids).logits[0]

@@ -116,10 +116,10 @@ def test_eviction_mid_generation_is_resynced_transparently() -> None:
 
     class EvictingDrafter(LocalDrafter):
         def propose(self, session_id, committed, num_tokens, params,  # type: ignore[no-untyped-def]
-                    min_confidence=0.0, num_alternatives=0):
+                    min_confidence=0.0, num_alternatives=0, max_alternative_depth=0):
             self.runner.release(session_id)  # as if the LRU budget evicted it
             return super().propose(session_id, committed, num_tokens, params, min_confidence,
-                                   num_alternatives)
+                                   num_alternatives, max_alternative_depth)
 
     result = generate(EvictingDrafter(ModelRunner(draft)), verifier, PROMPT,
                       GenerateConfig(max_new_tokens=20, num_draft_tokens=3))

@@ -95,9 +95,11 @@ def run(args: argparse.Namespace) -> int:
                          getattr(args, f"{role}_replica_gpus"), args.torch_threads)
              for role in ("target", "draft")]
     check_reachable(args.ray_address)
+    # "local": a Ray of this run's own, even where `ray start` left this node's address
+    # on record (ray.init(None) would join that cluster, or wait on it when it is gone).
+    address = args.ray_address or os.environ.get("RAY_ADDRESS") or "local"
     try:
-        ray.init(address=args.ray_address or None, include_dashboard=False,
-                 logging_level=logging.WARNING)
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     except ConnectionError as error:
         raise RuntimeError(f"cannot reach the Ray cluster at {args.ray_address!r}: {error} "
                            "(is `ray start` running there? see --ray-address)") from None
