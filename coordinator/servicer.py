@@ -1,4 +1,4 @@
-"""Coordinator.Generate / GenerateStream: validate, run specdec.loop over gRPC clients.
+"""Coordinator.Generate / GenerateStream: validate, run specdec.core.loop over gRPC clients.
 
 Per request: pin the session to one target and one draft replica (routes over the
 discovered replica sets), build a GrpcDrafter and GrpcVerifier sharing a ProbsRelay,
@@ -36,25 +36,25 @@ from coordinator.endpoints import EndpointSource
 from coordinator.routing import ReplicaRoute
 from coordinator.streaming import StreamChunker
 from coordinator.validation import Limits, ValidRequest, decoder, validate
-from specdec import policy as policies
-from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, length_policy
-from specdec.discovery import ReplicaSet
-from specdec.errors import SpecdecError
-from specdec.grpc_server import Service
-from specdec.grpc_status import abort, rpc_errors
-from specdec.interfaces import Drafter, Verifier
-from specdec.loop import GenerateConfig, GenerationResult, RoundEvent, generate
-from specdec.model_service import ModelInfo
-from specdec.prompt_lookup import (
+from specdec.core import policy as policies
+from specdec.core.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, length_policy
+from specdec.core.interfaces import Drafter, Verifier
+from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent, generate
+from specdec.core.prompt_lookup import (
     DEFAULT_LOOKUP_TOKENS,
     DEFAULT_MAX_NGRAM,
     DEFAULT_MIN_NGRAM,
     PromptLookup,
 )
+from specdec.core.speculation_gate import SpeculationGate
+from specdec.engine.steps import DEFAULT_ALTERNATIVES
+from specdec.errors import SpecdecError
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.serving.discovery import ReplicaSet
+from specdec.serving.grpc_server import Service
+from specdec.serving.grpc_status import abort, rpc_errors
+from specdec.serving.model_service import ModelInfo
 from specdec.settings import default
-from specdec.speculation_gate import SpeculationGate
-from specdec.steps import DEFAULT_ALTERNATIVES
 from specdec.telemetry.observe import RequestObserver
 from specdec.telemetry.round_tracer import load_attributes
 from specdec.telemetry.service import Telemetry
@@ -94,7 +94,7 @@ def make_policy(num_draft_tokens: int, adaptive: bool, *,
                 greedy: bool = True, costs: CostModel | None = None,
                 running: Callable[[], int] | None = None,
                 gate: SpeculationGate | None = None) -> policies.LengthPolicy:
-    """FixedLength, or specdec.adaptive's load-aware policy for `adaptive` requests;
+    """FixedLength, or specdec.core.adaptive's load-aware policy for `adaptive` requests;
     `costs` is the coordinator's round-cost model, `running` counts its running
     generations, `gate` may turn drafting off at that load."""
     return length_policy(num_draft_tokens, adaptive, max_length=max_length, greedy=greedy,

@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specdec import wire
+from specdec.core.sampling import SamplingParams
+from specdec.engine.shapes import DECODE_ROWS
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import coordinator_pb2
-from specdec.sampling import SamplingParams
-from specdec.shapes import DECODE_ROWS
+from specdec.serving import wire
 
 
 @dataclass(frozen=True)

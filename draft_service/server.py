@@ -10,9 +10,14 @@ from concurrent.futures import Executor
 import grpc
 
 from draft_service.servicer import DraftServicer
-from specdec.backends import select_backend
-from specdec.grpc_server import ServerHandle
-from specdec.model_service import BatchLimits, model_info, serving_runner, start_model_server
+from specdec.engine.backends import select_backend
+from specdec.serving.grpc_server import ServerHandle
+from specdec.serving.model_service import (
+    BatchLimits,
+    model_info,
+    serving_runner,
+    start_model_server,
+)
 from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)
@@ -20,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
            telemetry: Telemetry | None = None, executor: Executor | None = None) -> ServerHandle:
-    """executor: where forwards run (`specdec serve`: the main thread, specdec.compute)."""
+    """executor: where forwards run (`specdec serve`: the main thread, specdec.serving.compute)."""
     backend = select_backend(args)
     backend.configure_process()
     # The draft maps its rows onto the target's vocabulary, so it needs its size.

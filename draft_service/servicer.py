@@ -1,5 +1,6 @@
 """Draft.Propose / Draft.Release: parse, validate, hand a DraftJob to the batching
-scheduler (specdec.model_service: draft steps in lockstep with other proposals), encode q."""
+scheduler (specdec.serving.model_service: draft steps in lockstep with other proposals),
+encode q."""
 
 from __future__ import annotations
 
@@ -7,16 +8,16 @@ from concurrent.futures import Executor
 
 import grpc
 
-from specdec import wire
+from specdec.engine.runner import ModelRunner
+from specdec.engine.shapes import DECODE_ROWS
+from specdec.engine.steps import DraftJob, DraftOutput
 from specdec.errors import InvalidRequest
-from specdec.grpc_server import Service
-from specdec.grpc_status import rpc_errors
-from specdec.model_service import BatchLimits, SessionTable
 from specdec.proto.specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.runner import ModelRunner
+from specdec.serving import wire
+from specdec.serving.grpc_server import Service
+from specdec.serving.grpc_status import rpc_errors
+from specdec.serving.model_service import BatchLimits, SessionTable
 from specdec.settings import default
-from specdec.shapes import DECODE_ROWS
-from specdec.steps import DraftJob, DraftOutput
 from specdec.telemetry.service import Telemetry
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
@@ -29,7 +30,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                  precision: str = "", executor: Executor | None = None,
                  limits: BatchLimits | None = None) -> None:
         self.runner = runner
-        self.precision = precision  # specdec.draft_precision.Choice.describe()
+        self.precision = precision  # specdec.engine.draft_precision.Choice.describe()
         self.telemetry = telemetry or Telemetry("draft")
         self.telemetry.watch_runner(runner)
         self.sessions = SessionTable(runner, session_ttl_s, executor=executor, limits=limits)

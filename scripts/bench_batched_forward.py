@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from specdec import models
-from specdec.runner import ExtendRequest, ModelRunner
+from specdec.engine import models
+from specdec.engine.runner import ExtendRequest, ModelRunner
 
 
 def _requests(runner: ModelRunner, sessions: int, context: int, rows: int,

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from specdec import models  # noqa: E402
 from specdec.bench.prompts import chat_encoder, load_prompts, select  # noqa: E402
-from specdec.vocab import VocabAdapter  # noqa: E402
+from specdec.engine import models  # noqa: E402
+from specdec.engine.vocab import VocabAdapter  # noqa: E402
 
 
 def teacher_forced_probs(loaded: models.LoadedModel, ids: list[int],

@@ -5,7 +5,7 @@ the same text, and buckets every position by the draft's top probability: the ev
 behind the confidence gate's default (SPECDEC_DRAFT_CONFIDENCE). Also prints how often
 the target's token is among the draft's m best (m = 1..8): what alternatives verified
 beside the chain can add (SPECDEC_DRAFT_ALTERNATIVES); and how often prompt lookup
-(specdec.prompt_lookup) finds a match and its first token is the target's, by category
+(specdec.core.prompt_lookup) finds a match and its first token is the target's, by category
 and shortest n-gram (SPECDEC_PROMPT_LOOKUP_MIN; docs/performance.md, "What limits
 them"):
 
@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec.bench.prompts import chat_encoder, load_prompts, select  # noqa: E402
-from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_causal_lm, parse_dtype  # noqa: E402
-from specdec.prompt_lookup import DEFAULT_MAX_NGRAM, find_continuation  # noqa: E402
-from specdec.runner import ModelRunner  # noqa: E402
+from specdec.core.prompt_lookup import DEFAULT_MAX_NGRAM, find_continuation  # noqa: E402
+from specdec.engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_causal_lm, parse_dtype  # noqa: E402
+from specdec.engine.runner import ModelRunner  # noqa: E402
 
 BUCKETS = [(0.0, 0.2), (0.2, 0.3), (0.3, 0.4), (0.4, 0.5), (0.5, 0.6), (0.6, 0.8), (0.8, 1.01)]
 

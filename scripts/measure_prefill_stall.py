@@ -19,11 +19,11 @@ import time
 import grpc
 import torch
 
-from specdec.grpc_server import build_server
-from specdec.history import TokenHistory
-from specdec.model_service import BatchLimits, load_runner
-from specdec.models import DEFAULT_TARGET
+from specdec.core.history import TokenHistory
+from specdec.engine.models import DEFAULT_TARGET
 from specdec.proto.specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.serving.grpc_server import build_server
+from specdec.serving.model_service import BatchLimits, load_runner
 from target_service.servicer import TargetServicer
 
 

@@ -32,13 +32,13 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from specdec.grpc_server import wait_healthy  # noqa: E402
 from specdec.proto.specdec.v1 import (  # noqa: E402
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
 )
-from specdec.stack import free_port  # noqa: E402
+from specdec.serving.grpc_server import wait_healthy  # noqa: E402
+from specdec.serving.stack import free_port  # noqa: E402
 
 MODES = {"off": ["--tracing", "off", "--metrics-port", "-1"],
          "metrics": ["--tracing", "off"],

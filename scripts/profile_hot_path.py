@@ -25,16 +25,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LINEAR_FILES = ("torch/nn/modules/linear.py", "specdec/kernels.py")
+LINEAR_FILES = ("torch/nn/modules/linear.py", "specdec/engine/kernels.py")
 # (group, predicate on "function (file:line)") in priority order: first match wins.
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("GEMMs (nn.Linear)", ("torch/nn/modules/linear.py",)),
-    ("attention (sdpa)", ("sdpa_attention.py", "scaled_dot_product", "specdec/attention.py")),
+    ("attention (sdpa)",
+     ("sdpa_attention.py", "scaled_dot_product", "specdec/engine/attention.py")),
     ("KV cache (transformers cache_utils)", ("cache_utils.py",)),
     ("mask building (transformers masking_utils)", ("masking_utils.py",)),
     ("RMSNorm, RoPE, MLP glue (modeling_llama)", ("modeling_llama.py", "activations.py")),
     ("module call overhead (torch.nn.Module)", ("torch/nn/modules/module.py",)),
-    ("specdec sampling / rejection", ("specdec/sampling.py", "specdec/rejection.py")),
+    ("specdec sampling / rejection", ("specdec/core/sampling.py", "specdec/core/rejection.py")),
     ("specdec loop, runner, history", ("specdec/",)),
     ("transformers other", ("transformers/",)),
     ("torch other", ("torch/",)),
@@ -59,12 +60,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from specdec.bench.prompts import chat_encoder, load_prompts, select
-    from specdec.local import LocalDrafter, LocalVerifier
-    from specdec.loop import GenerateConfig, generate
-    from specdec.model_service import model_info
-    from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_causal_lm, parse_dtype
-    from specdec.runner import ModelRunner
-    from specdec.sampling import SamplingParams
+    from specdec.core.loop import GenerateConfig, generate
+    from specdec.core.sampling import SamplingParams
+    from specdec.engine.local import LocalDrafter, LocalVerifier
+    from specdec.engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_causal_lm, parse_dtype
+    from specdec.engine.runner import ModelRunner
+    from specdec.serving.model_service import model_info
 
     torch.set_num_threads(args.torch_threads)
     dtype, cpu = parse_dtype(args.dtype), torch.device("cpu")

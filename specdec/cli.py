@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from specdec import commands
-from specdec.stack import die_with_parent
+from specdec.serving.stack import die_with_parent
 
 
 def command_modules() -> dict[str, str]:

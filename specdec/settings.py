@@ -134,7 +134,7 @@ _ALL = (
             "draft length adaptive requests start from; requests that do not set speculation "
             "are adaptive (0 = those run target-only)", SPECULATION, type=int),
     # Drafts longer than this make a verification more than a decode-sized forward
-    # (specdec.shapes.DECODE_ROWS rows), whose cost then grows with its length.
+    # (specdec.engine.shapes.DECODE_ROWS rows), whose cost then grows with its length.
     Setting("max-draft-tokens", 16,
             "most tokens drafted per round (a request asking more is rejected)",
             SPECULATION, type=int),
@@ -206,7 +206,7 @@ _ALL = (
             "torch.compile the draft's forward: auto (compile at load, time it against "
             "eager and keep the faster), on, off", CPU_KERNELS, choices=COMPILE_CHOICES,
             advanced=True),
-    # security (specdec.security; docs/security.md)
+    # security (specdec.serving.security; docs/security.md)
     Setting("tls-cert-file", "", "PEM certificate this server presents (empty = plaintext)",
             SECURITY),
     Setting("tls-key-file", "", "PEM private key of --tls-cert-file", SECURITY),

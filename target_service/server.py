@@ -9,9 +9,9 @@ from concurrent.futures import Executor
 
 import grpc
 
-from specdec.backends import select_backend
-from specdec.grpc_server import ServerHandle
-from specdec.model_service import BatchLimits, serving_runner, start_model_server
+from specdec.engine.backends import select_backend
+from specdec.serving.grpc_server import ServerHandle
+from specdec.serving.model_service import BatchLimits, serving_runner, start_model_server
 from specdec.telemetry.service import Telemetry
 from target_service.servicer import TargetServicer
 
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerInterceptor] = (),
            telemetry: Telemetry | None = None, executor: Executor | None = None) -> ServerHandle:
-    """executor: where forwards run (`specdec serve`: the main thread, specdec.compute)."""
+    """executor: where forwards run (`specdec serve`: the main thread, specdec.serving.compute)."""
     backend = select_backend(args)
     backend.configure_process()
     loaded = backend.load(args.target_model)

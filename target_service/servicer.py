@@ -1,5 +1,5 @@
 """Target.Verify / Target.Release: parse, validate, hand a VerifyJob to the batching
-scheduler (specdec.model_service), encode."""
+scheduler (specdec.serving.model_service), encode."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ from concurrent.futures import Executor
 import grpc
 import torch
 
-from specdec import wire
+from specdec.engine.runner import ModelRunner
+from specdec.engine.shapes import DECODE_ROWS
+from specdec.engine.steps import VerifyJob, VerifyOutput
 from specdec.errors import InvalidRequest
-from specdec.grpc_server import Service
-from specdec.grpc_status import rpc_errors
-from specdec.model_service import BatchLimits, SessionTable
 from specdec.proto.specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.runner import ModelRunner
+from specdec.serving import wire
+from specdec.serving.grpc_server import Service
+from specdec.serving.grpc_status import rpc_errors
+from specdec.serving.model_service import BatchLimits, SessionTable
 from specdec.settings import default
-from specdec.shapes import DECODE_ROWS
-from specdec.steps import VerifyJob, VerifyOutput
 from specdec.telemetry import names
 from specdec.telemetry.service import Telemetry
 

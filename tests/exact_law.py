@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from scipy import stats
 
-from specdec.sampling import SamplingParams, process_logits
+from specdec.core.sampling import SamplingParams, process_logits
 
 
 @torch.inference_mode()

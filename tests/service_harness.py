@@ -14,10 +14,10 @@ from coordinator.clients import ChannelPool
 from coordinator.endpoints import StaticEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
 from draft_service.servicer import DraftServicer
-from specdec.grpc_server import ServerHandle, build_server
-from specdec.model_service import ModelInfo
+from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import coordinator_pb2_grpc
-from specdec.runner import ModelRunner
+from specdec.serving.grpc_server import ServerHandle, build_server
+from specdec.serving.model_service import ModelInfo
 from target_service.servicer import TargetServicer
 
 
@@ -41,7 +41,7 @@ class Services:
     target_kv_budget_bytes: int | None = None
     draft_token_map: torch.Tensor | None = None  # reduced-vocabulary draft
     draft_precision_text: str = ""  # what Draft.Describe reports
-    # build_server's keyword arguments for the coordinator (specdec.security.server_options:
+    # build_server's keyword arguments for the coordinator (specdec.serving.security.server_options:
     # TLS, API keys); self.stub is plaintext, so it serves only a coordinator without them.
     coordinator_options: dict[str, Any] = field(default_factory=dict)
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, GenerationResult, generate
-from specdec.prompt_lookup import PromptLookup
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
+from specdec.core.loop import GenerateConfig, GenerationResult, generate
+from specdec.core.prompt_lookup import PromptLookup
+from specdec.core.sampling import SamplingParams
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 from specdec.telemetry.file_exporter import JsonLinesSpanExporter
 from specdec.telemetry.service import Telemetry
 from specdec.telemetry.tracing import build_tracer_provider

@@ -9,8 +9,9 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from specdec.acceptance import ChainAcceptance
-from specdec.adaptive import (
+from specdec.bench.costs import CostCurve, expected_tokens
+from specdec.core.acceptance import ChainAcceptance
+from specdec.core.adaptive import (
     RUNNING_ALONE,
     AdaptiveLength,
     CostModel,
@@ -22,13 +23,12 @@ from specdec.adaptive import (
     length_policy,
     shared_rate,
 )
-from specdec.bench.costs import CostCurve, expected_tokens
-from specdec.interfaces import ALONE, ForwardBatch, Proposal, Verification
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.policy import FixedLength
-from specdec.rejection import Alternatives
-from specdec.runner import ModelRunner
+from specdec.core.interfaces import ALONE, ForwardBatch, Proposal, Verification
+from specdec.core.loop import GenerateConfig, generate
+from specdec.core.policy import FixedLength
+from specdec.core.tree_acceptance import Alternatives
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 
 
 def test_chain_acceptance_counts_positions_up_to_the_first_rejection() -> None:
@@ -423,9 +423,9 @@ def test_drafting_resumes_after_a_pause_with_the_draft_cache_caught_up() -> None
     from service_harness import Services
 
     from coordinator.clients import GrpcDrafter, GrpcVerifier
-    from specdec.history import TokenHistory
-    from specdec.loop import RoundEvent
-    from specdec.sampling import SamplingParams
+    from specdec.core.history import TokenHistory
+    from specdec.core.loop import RoundEvent
+    from specdec.core.sampling import SamplingParams
 
     torch.set_num_threads(1)
     vocab = 32

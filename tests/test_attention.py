@@ -11,8 +11,8 @@ from tiny_models import assert_speculative_greedy_equals_hf, tiny_gpt2, tiny_lla
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specdec import attention
-from specdec.attention import (
+from specdec.engine import attention
+from specdec.engine.attention import (
     DECODE_ROWS,
     NAME,
     SDPA_NAME,

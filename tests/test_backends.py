@@ -11,7 +11,7 @@ import torch
 
 
 def test_backend_follows_the_device() -> None:
-    from specdec.backends import backend_name
+    from specdec.engine.backends import backend_name
 
     assert backend_name("auto", torch.device("cpu")) == "cpu-tuned"
     assert backend_name("auto", torch.device("cuda")) == "torch"
@@ -21,7 +21,7 @@ def test_backend_follows_the_device() -> None:
 
 
 def test_select_backend_reads_the_settings() -> None:
-    from specdec.backends import CpuTunedBackend, TorchBackend, select_backend
+    from specdec.engine.backends import CpuTunedBackend, TorchBackend, select_backend
 
     cpu = select_backend(SimpleNamespace(device="cpu", dtype="bfloat16", draft_dtype="same",
                                          linear_kernel="skinny"))
@@ -42,8 +42,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_torch_backend_loads_stock_kernels(tiny_model_dir: Path) -> None:
-    from specdec.backends import TorchBackend
-    from specdec.runner import ModelRunner
+    from specdec.engine.backends import TorchBackend
+    from specdec.engine.runner import ModelRunner
 
     backend = TorchBackend(torch.device("cpu"), torch.float32)
     loaded = backend.load(str(tiny_model_dir))
@@ -57,8 +57,8 @@ def test_torch_backend_loads_stock_kernels(tiny_model_dir: Path) -> None:
 
 
 def test_cpu_tuned_backend_applies_row_invariant_kernels(tiny_model_dir: Path) -> None:
-    from specdec.backends import CpuTunedBackend
-    from specdec.runner import ModelRunner
+    from specdec.engine.backends import CpuTunedBackend
+    from specdec.engine.runner import ModelRunner
 
     loaded = CpuTunedBackend(torch.device("cpu"), torch.bfloat16).load(str(tiny_model_dir))
     assert loaded.precision.endswith("rowwise attention")
@@ -74,7 +74,7 @@ def test_models_from_the_torch_backend_decode_exactly(tmp_path: Path) -> None:
     transformers' own greedy decoding of the same target."""
     from tiny_models import assert_speculative_greedy_equals_hf, tiny_llama
 
-    from specdec.backends import TorchBackend
+    from specdec.engine.backends import TorchBackend
 
     tiny_llama(vocab_size=64, seed=5).save_pretrained(tmp_path / "target")
     tiny_llama(vocab_size=64, seed=6, layers=1).save_pretrained(tmp_path / "draft")

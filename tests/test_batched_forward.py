@@ -18,12 +18,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from specdec import models
-from specdec.attention import apply_attention_kernel
+from specdec.engine import models
+from specdec.engine.attention import apply_attention_kernel
+from specdec.engine.backends.cpu import load_causal_lm
+from specdec.engine.kernels import ROW_INVARIANCE_PROBE_CAP, apply_linear_kernel, row_invariant_rows
+from specdec.engine.runner import ExtendRequest, ExtendResult, ModelRunner
+from specdec.engine.shapes import DECODE_ROWS
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
-from specdec.kernels import ROW_INVARIANCE_PROBE_CAP, apply_linear_kernel, row_invariant_rows
-from specdec.runner import ExtendRequest, ExtendResult, ModelRunner
-from specdec.shapes import DECODE_ROWS
 from tests.tiny_models import tiny_feature_draft, tiny_llama
 
 VOCAB = 64
@@ -316,7 +317,7 @@ def _forwards(row_counts: list[int], cap: int) -> int:
 @pytest.fixture(scope="module")
 def target_bf16() -> models.LoadedModel:
     torch.set_num_threads(2)
-    return models.load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.bfloat16,
+    return load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.bfloat16,
                                  progress=False)
 
 

@@ -26,12 +26,13 @@ from tiny_models import tiny_llama
 
 from coordinator.servicer import CoordinatorSettings
 from draft_service.servicer import DraftServicer
-from specdec import wire
-from specdec.grpc_server import ServerHandle, build_server
-from specdec.history import TokenHistory
-from specdec.local import LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.model_service import BatchLimits
+from specdec.core.history import TokenHistory
+from specdec.core.loop import GenerateConfig, generate
+from specdec.core.sampling import SamplingParams
+from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives
+from specdec.engine.local import LocalVerifier
+from specdec.engine.runner import ModelRunner
+from specdec.engine.steps import SyncPoint, draft_step, verify_step
 from specdec.proto.specdec.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -40,10 +41,9 @@ from specdec.proto.specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from specdec.rejection import NO_ALTERNATIVES, Alternatives
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.steps import SyncPoint, draft_step, verify_step
+from specdec.serving import wire
+from specdec.serving.grpc_server import ServerHandle, build_server
+from specdec.serving.model_service import BatchLimits
 from target_service.servicer import TargetServicer
 
 VOCAB = 32
@@ -425,14 +425,15 @@ def test_real_pair_concurrent_greedy_equals_serial_target_only() -> None:
     """(a) The SmolLM2 pair in bfloat16: eight chat requests at once, different lengths,
     half with alternatives, each equal to the same request served alone and to the
     target's own serial greedy output."""
-    from specdec import models as model_zoo
-    from specdec.model_service import model_info
+    from specdec.engine import models as model_zoo
+    from specdec.engine.backends.cpu import load_causal_lm
+    from specdec.serving.model_service import model_info
 
     torch.set_num_threads(2)
     cpu = torch.device("cpu")
-    target = model_zoo.load_causal_lm(model_zoo.DEFAULT_TARGET, cpu, torch.bfloat16,
+    target = load_causal_lm(model_zoo.DEFAULT_TARGET, cpu, torch.bfloat16,
                                       progress=False)
-    draft = model_zoo.load_causal_lm(model_zoo.DEFAULT_DRAFT, cpu, torch.bfloat16,
+    draft = load_causal_lm(model_zoo.DEFAULT_DRAFT, cpu, torch.bfloat16,
                                      progress=False)
     assert target.tokenizer is not None
     eos = model_info(model_zoo.DEFAULT_TARGET).eos_token_ids
@@ -479,7 +480,7 @@ class _OneRowJob:
 def _share_of_shared_forwards(monkeypatch: pytest.MonkeyPatch, gather: float) -> float:
     """Two sessions calling back to back, each returning 5 ms after its call ends, on a
     scheduler whose forwards take 40 ms: the share of calls that shared a forward."""
-    from specdec import model_service
+    from specdec.serving import model_service
 
     def slow_forward(runner: object, jobs: list[object]) -> list[bool]:
         time.sleep(0.04)

@@ -27,7 +27,7 @@ from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
 from specdec.commands.bench import add_parser, load_result, settings_from_args, write_outputs
 from specdec.draft_training.prompts import generate_prompts
 from specdec.draft_training.wide_prompts import generate_wide_prompts
-from specdec.steps import DEFAULT_ALTERNATIVES
+from specdec.engine.steps import DEFAULT_ALTERNATIVES
 
 
 def _normal(text: str) -> str:
@@ -129,7 +129,7 @@ def tiny_pair(tmp_path: Path) -> BenchModels:
 
 def test_cost_calibration_measures_every_length_and_frees_its_sessions(
         tiny_pair: BenchModels) -> None:
-    from specdec.runner import ModelRunner
+    from specdec.engine.runner import ModelRunner
 
     torch.set_num_threads(1)
     target = ModelRunner(tiny_pair.target)
@@ -159,7 +159,7 @@ def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_pat
                         draft_precision_text="float32/torch (as set)")
 
     def runners(name: str) -> tuple[object, object]:
-        from specdec.runner import ModelRunner
+        from specdec.engine.runner import ModelRunner
 
         return (ModelRunner(tiny_pair.target),
                 ModelRunner(tiny_pair.draft, 64, token_map=tiny_pair.token_map))
@@ -241,7 +241,7 @@ def test_alternatives_suffix_sets_the_alternatives_and_keeps_the_length() -> Non
 
 def test_lookup_suffix_sets_prompt_lookup_and_combines_with_alternatives() -> None:
     from specdec.bench.systems import grpc_request, prompt_lookup
-    from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS
+    from specdec.core.prompt_lookup import DEFAULT_LOOKUP_TOKENS
 
     configs = {c.name: c for c in build_configs(("specdec-local",),
                                                 ("adaptive", "adaptive+p0", "2+a0+p4"))}

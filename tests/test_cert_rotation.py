@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.commands.certs import FILES, write_certs
-from specdec.grpc_server import ServerHandle, build_server
-from specdec.security import SecuritySettings, server_credentials, server_options
+from specdec.serving.certificates import FILES, write_certs
+from specdec.serving.grpc_server import ServerHandle, build_server
+from specdec.serving.security import SecuritySettings, server_credentials, server_options
 
 NEW_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
@@ -83,7 +83,7 @@ def tls_server(live: Path) -> Iterator[ServerHandle]:
 
 def rotation_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [record.getMessage() for record in caplog.records
-            if record.name == "specdec.security" and record.levelno == logging.WARNING]
+            if record.name == "specdec.serving.security" and record.levelno == logging.WARNING]
 
 
 def test_renewed_certificate_from_another_ca_is_served_at_the_next_connection(
@@ -111,7 +111,7 @@ def test_unusable_renewal_keeps_the_certificate_in_force_with_one_warning(
         tls_server: ServerHandle, live: Path, cas: dict[str, dict[str, Path]],
         caplog: pytest.LogCaptureFixture, broken: str) -> None:
     a, b = cas["a"], cas["b"]
-    with caplog.at_level(logging.WARNING, logger="specdec.security"):
+    with caplog.at_level(logging.WARNING, logger="specdec.serving.security"):
         if broken == "garbage certificate":
             faulty = live / "server.crt"
             install(b"-----BEGIN CERTIFICATE-----\nMIIB half written", faulty)

@@ -16,7 +16,7 @@ import torch
 from service_harness import Services
 from tiny_models import tiny_llama
 
-from specdec.stack import free_port
+from specdec.serving.stack import free_port
 from tests.telemetry_helpers import file_telemetry, run_request
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
@@ -106,7 +106,7 @@ def test_build_request_sends_only_what_was_asked() -> None:
 def coordinator() -> Iterator[str]:
     from transformers import AutoTokenizer
 
-    from specdec.models import DEFAULT_TARGET, resolve
+    from specdec.engine.models import DEFAULT_TARGET, resolve
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(resolve(DEFAULT_TARGET, progress=False))

@@ -1,4 +1,4 @@
-"""specdec.compute: a served model's forwards run on the main thread (real gRPC server,
+"""specdec.serving.compute: a served model's forwards run on the main thread (real gRPC server,
 real tiny model), and a stop lets the calls in flight finish there; where the main
 thread cannot serve (a Ray actor), on the compute thread that loaded the model."""
 
@@ -19,11 +19,11 @@ from tiny_models import tiny_llama
 
 from coordinator.clients import GrpcDrafter
 from draft_service.servicer import DraftServicer
-from specdec.compute import MainThreadExecutor, on_own_compute_thread
-from specdec.grpc_server import ServerHandle, build_server, serve_until_signal
-from specdec.history import TokenHistory
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
+from specdec.core.history import TokenHistory
+from specdec.core.sampling import SamplingParams
+from specdec.engine.runner import ModelRunner
+from specdec.serving.compute import MainThreadExecutor, on_own_compute_thread
+from specdec.serving.grpc_server import ServerHandle, build_server, serve_until_signal
 
 
 def on_main() -> bool:

@@ -24,11 +24,11 @@ from coordinator.admission import Admission, AdmissionAbandoned, AdmissionRefuse
 from coordinator.endpoints import StaticEndpoints
 from coordinator.server import build_coordinator_server
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
-from specdec.grpc_server import ServerHandle
-from specdec.local import LocalVerifier
-from specdec.loop import GenerateConfig, generate
+from specdec.core.loop import GenerateConfig, generate
+from specdec.engine.local import LocalVerifier
+from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from specdec.runner import ModelRunner
+from specdec.serving.grpc_server import ServerHandle
 from specdec.telemetry.service import Telemetry
 
 VOCAB = 32

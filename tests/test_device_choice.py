@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from specdec.models import parse_device
+from specdec.engine.models import parse_device
 
 
 def test_auto_logs_its_choice(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="specdec.models"):
+    with caplog.at_level(logging.INFO, logger="specdec.engine.models"):
         device = parse_device("auto")
     assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert f"--device auto: using {device}" in caplog.text

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from specdec.discovery import (
+from specdec.serving.discovery import (
     REFRESH_ENV,
     NoReplicaError,
     ReplicaSet,

@@ -15,17 +15,18 @@ import torch
 import torch._dynamo.utils
 from tiny_models import tiny_llama
 
-from specdec.draft_compile import (
+from specdec.engine.backends.cpu import load_causal_lm
+from specdec.engine.draft_compile import (
     ONEDNN_REASON,
     DraftCompileError,
     compile_draft,
     decode_steps_compiled,
     should_try,
 )
-from specdec.kernels import apply_linear_kernel
-from specdec.models import DEFAULT_DRAFT, load_causal_lm
-from specdec.runner import ModelRunner
-from specdec.shapes import DECODE_ROWS
+from specdec.engine.kernels import apply_linear_kernel
+from specdec.engine.models import DEFAULT_DRAFT
+from specdec.engine.runner import ModelRunner
+from specdec.engine.shapes import DECODE_ROWS
 
 CPU = torch.device("cpu")
 TARGET_VOCAB = 49152

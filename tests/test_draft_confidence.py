@@ -8,12 +8,12 @@ from exact_law import chi_square_pvalue, target_law
 from test_greedy_and_kv import PROMPT, hf_greedy
 from tiny_models import tiny_llama
 
-from specdec.history import TokenHistory
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.steps import SyncPoint, draft_step
+from specdec.core.history import TokenHistory
+from specdec.core.loop import GenerateConfig, generate
+from specdec.core.sampling import SamplingParams
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
+from specdec.engine.steps import SyncPoint, draft_step
 
 
 @pytest.fixture(autouse=True)
@@ -82,8 +82,8 @@ def test_history_unchanged_by_gate() -> None:
 
 
 def test_policies_see_the_requested_length_and_the_shorter_proposal() -> None:
-    from specdec.interfaces import Proposal, Verification
-    from specdec.policy import FixedLength
+    from specdec.core.interfaces import Proposal, Verification
+    from specdec.core.policy import FixedLength
 
     seen: list[tuple[int, int]] = []
 

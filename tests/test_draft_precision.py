@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import tiny_llama
 
-from specdec.draft_precision import Precision, candidates, load_draft
+from specdec.engine.backends.cpu import load_causal_lm
+from specdec.engine.draft_precision import Precision, candidates, load_draft
+from specdec.engine.models import LoadedModel
 
 CPU = torch.device("cpu")
 
@@ -31,9 +34,16 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def loader(draft_dir: Path) -> Callable[[Precision], LoadedModel]:
+    def load(option: Precision) -> LoadedModel:
+        return load_causal_lm(str(draft_dir), CPU, option.dtype, progress=False,
+                              linear_kernel=option.linear_kernel)
+    return load
+
+
 def test_auto_keeps_the_fastest_measured_candidate(draft_dir: Path) -> None:
-    choice = load_draft(str(draft_dir), CPU, "auto", "auto", shared_dtype=torch.bfloat16,
-                        attention_kernel="auto", target_vocab_size=None)
+    choice = load_draft(loader(draft_dir), CPU, "auto", "auto", shared_dtype=torch.bfloat16,
+                        target_vocab_size=None)
     assert set(choice.step_s) == {"bfloat16/onednn", "float32/torch", "float32/skinny"}
     assert all(seconds > 0 for seconds in choice.step_s.values())
     assert choice.step_s[choice.precision.label] == min(choice.step_s.values())
@@ -46,8 +56,8 @@ def test_auto_keeps_the_fastest_measured_candidate(draft_dir: Path) -> None:
 
 
 def test_a_set_precision_is_loaded_as_is_without_measuring(draft_dir: Path) -> None:
-    choice = load_draft(str(draft_dir), CPU, "float32", "torch", shared_dtype=torch.bfloat16,
-                        attention_kernel="auto", target_vocab_size=None)
+    choice = load_draft(loader(draft_dir), CPU, "float32", "torch",
+                        shared_dtype=torch.bfloat16, target_vocab_size=None)
     assert choice.precision == Precision(torch.float32, "torch") and not choice.step_s
     assert choice.loaded.precision == "float32, torch linear, grouped attention"
     assert choice.describe() == "float32/torch (as set); forward eager (--draft-compile off)"

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specdec import models
+from specdec.engine import models
+from specdec.engine.backends.cpu import load_causal_lm
 
 
 @pytest.mark.parametrize("name", [models.DEFAULT_DRAFT, models.FEATURE_DRAFT])
@@ -21,7 +22,7 @@ def test_embedded_draft_is_stored_in_bfloat16_and_loads_in_float32(name: str) ->
         stored_tensors = {key: stored.get_tensor(key) for key in stored.keys()}  # noqa: SIM118
     assert {tensor.dtype for tensor in stored_tensors.values()} == {torch.bfloat16}
 
-    loaded = models.load_causal_lm(name, torch.device("cpu"), torch.float32, progress=False,
+    loaded = load_causal_lm(name, torch.device("cpu"), torch.float32, progress=False,
                                    linear_kernel="torch", attention_kernel="sdpa")
     parameters = dict(loaded.model.named_parameters())
     assert {p.dtype for p in parameters.values()} == {torch.float32}

@@ -16,15 +16,15 @@ import torch
 from exact_law import chi_square_pvalue, target_law
 from tiny_models import tiny_llama
 
-from specdec.attention import apply_attention_kernel
-from specdec.draft_compile import compile_draft
-from specdec.history import TokenHistory
-from specdec.interfaces import Proposal
-from specdec.kernels import apply_linear_kernel
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
+from specdec.core.history import TokenHistory
+from specdec.core.interfaces import Proposal
+from specdec.core.loop import GenerateConfig, RoundEvent, generate
+from specdec.core.sampling import SamplingParams
+from specdec.engine.attention import apply_attention_kernel
+from specdec.engine.draft_compile import compile_draft
+from specdec.engine.kernels import apply_linear_kernel
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 
 VOCAB = 8
 PROMPT = [1, 5, 2]
@@ -130,7 +130,7 @@ def _tree_samples(models: tuple[torch.nn.Module, torch.nn.Module], params: Sampl
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_token_tree_law_matches_target(models, setting: str) -> None:
     """Siblings drawn without replacement and tested in rank order against the residual
-    keep the target's law (specdec.tree_acceptance)."""
+    keep the target's law (specdec.core.tree_acceptance)."""
     params = SETTINGS[setting]
     with torch.inference_mode():
         law = target_law(models[0], PROMPT, params, LENGTH)
@@ -143,7 +143,7 @@ def test_token_tree_law_matches_target(models, setting: str) -> None:
 def test_tree_without_the_residual_between_siblings_is_rejected(models, monkeypatch) -> None:
     """The same test has power against a subtly wrong tree rule: every sibling tested
     against the node's full target row instead of the residual the earlier ones leave."""
-    import specdec.tree_acceptance as tree_acceptance
+    import specdec.core.tree_acceptance as tree_acceptance
 
     monkeypatch.setattr(tree_acceptance, "residual", lambda p, q: p)
     params = SETTINGS["T1"]

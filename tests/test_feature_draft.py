@@ -1,4 +1,4 @@
-"""Feature drafts (specdec.feature_draft): the target's hidden states reach the draft at
+"""Feature drafts (specdec.engine.feature_draft): the target's hidden states reach the draft at
 the right positions, in process and over gRPC, and speculative decoding stays exact."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from exact_law import chi_square_pvalue, target_law
 from service_harness import Services
 from tiny_models import assert_speculative_greedy_equals_hf, tiny_feature_draft, tiny_llama
 
-from specdec import wire
+from specdec.core.history import HiddenStateLog, TokenHistory
+from specdec.core.loop import GenerateConfig, RoundEvent, generate
+from specdec.core.prompt_lookup import PromptLookup
+from specdec.core.sampling import SamplingParams
+from specdec.engine.feature_draft import final_norm
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 from specdec.errors import InvalidRequest
-from specdec.feature_draft import final_norm
-from specdec.history import HiddenStateLog, TokenHistory
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.prompt_lookup import PromptLookup
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, draft_pb2_grpc
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
+from specdec.serving import wire
 
 VOCAB = 32
 PROMPT = [1, 5, 7, 3]
@@ -267,7 +267,7 @@ def test_a_feature_draft_built_from_a_token_draft_starts_as_that_draft(tmp_path)
     """fc = [identity | 0]: whatever the target's states, the logits are the token draft's,
     so training starts from its acceptance and only adds what the states tell."""
     from specdec.draft_training.feature_train import feature_draft_from_token_draft
-    from specdec.feature_draft import TARGET_HIDDEN_SCALE_KEY
+    from specdec.engine.feature_draft import TARGET_HIDDEN_SCALE_KEY
 
     token_draft = tiny_llama(VOCAB, seed=5, layers=2)
     token_draft.save_pretrained(tmp_path / "token")

@@ -30,14 +30,14 @@ from tiny_models import tiny_feature_draft, tiny_llama
 
 from coordinator.servicer import CoordinatorSettings
 from draft_service.servicer import DraftServicer
-from specdec.grpc_server import ServerHandle, build_server
+from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import (
     common_pb2,
     coordinator_pb2,
     draft_pb2,
     target_pb2,
 )
-from specdec.runner import ModelRunner
+from specdec.serving.grpc_server import ServerHandle, build_server
 
 EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
@@ -57,7 +57,7 @@ SESSION = st.one_of(st.sampled_from(["fz-a", "fz-b", "fz-c", ""]), st.text(max_s
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from specdec.models import DEFAULT_TARGET, resolve
+    from specdec.engine.models import DEFAULT_TARGET, resolve
 
     return AutoTokenizer.from_pretrained(resolve(DEFAULT_TARGET, progress=False))
 

@@ -7,12 +7,12 @@ import torch
 from tiny_models import tiny_gpt2, tiny_llama
 from transformers import DynamicCache
 
+from specdec.core.history import TokenHistory
+from specdec.core.loop import GenerateConfig, generate
+from specdec.core.sampling import SamplingParams
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 from specdec.errors import CacheSyncError, KVBudgetExhausted
-from specdec.history import TokenHistory
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 

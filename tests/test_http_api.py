@@ -27,9 +27,9 @@ from transformers import AutoTokenizer
 
 from coordinator.servicer import CoordinatorSettings
 from specdec.commands.http import start_http
-from specdec.models import DEFAULT_TARGET, resolve
+from specdec.engine.models import DEFAULT_TARGET, resolve
 from specdec.proto.specdec.v1 import coordinator_pb2
-from specdec.stack import free_port
+from specdec.serving.stack import free_port
 
 MODEL = "tiny-smollm2"
 LIMIT = 200  # the coordinator's max_new_tokens limit

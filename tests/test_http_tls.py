@@ -1,5 +1,5 @@
 """`specdec http` with the stack's security settings: HTTPS with the certificates of
-`specdec up --secure` (specdec.security.secure_stack_env), TLS to a coordinator that
+`specdec up --secure` (specdec.serving.security.secure_stack_env), TLS to a coordinator that
 requires API keys, and OpenAI's 401 error object for a missing or wrong key. Real
 processes and servers over tiny models with the real SmolLM2 tokenizer, called with the
 official `openai` client."""
@@ -26,9 +26,9 @@ from tiny_models import tiny_llama
 from transformers import AutoTokenizer
 
 from specdec.commands.http import HttpProcess, start_http
-from specdec.models import DEFAULT_TARGET, resolve
-from specdec.security import SecuritySettings, secure_stack_env, server_options
-from specdec.stack import free_port
+from specdec.engine.models import DEFAULT_TARGET, resolve
+from specdec.serving.security import SecuritySettings, secure_stack_env, server_options
+from specdec.serving.stack import free_port
 
 MODEL = "tiny-smollm2"
 HELLO = [{"role": "user", "content": "Hello"}]

@@ -13,9 +13,14 @@ import torch.nn.functional as F
 from tiny_models import assert_speculative_greedy_equals_hf, tiny_gpt2, tiny_llama
 from torch import nn
 
-from specdec.kernels import SKINNY_MAX_ROWS, SkinnyLinear, apply_linear_kernel, resolve_kernel
-from specdec.model_service import load_runner
-from specdec.models import row_invariance_caveat
+from specdec.engine.kernels import (
+    SKINNY_MAX_ROWS,
+    SkinnyLinear,
+    apply_linear_kernel,
+    resolve_kernel,
+)
+from specdec.engine.models import row_invariance_caveat
+from specdec.serving.model_service import load_runner
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 64), (1, 5, 64), (2, 3, 64),
@@ -89,7 +94,7 @@ def test_the_caveat_names_kernels_that_are_not_row_invariant() -> None:
 def test_the_target_service_loader_warns_only_off_the_row_invariant_kernels(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tiny_llama(vocab_size=16, seed=1).save_pretrained(tmp_path)
-    caplog.set_level(logging.WARNING, logger="specdec.model_service")
+    caplog.set_level(logging.WARNING, logger="specdec.serving.model_service")
     load_runner(str(tmp_path), device=torch.device("cpu"), dtype=torch.bfloat16)
     assert not [record for record in caplog.records if "row-invariant" in record.message]
     load_runner(str(tmp_path), device=torch.device("cpu"), dtype=torch.bfloat16,

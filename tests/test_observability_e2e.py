@@ -19,9 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.cli import main
-from specdec.grpc_server import wait_healthy
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from specdec.stack import free_port
+from specdec.serving.grpc_server import wait_healthy
+from specdec.serving.stack import free_port
 from specdec.telemetry import names as n
 from specdec.telemetry import reader
 from tests.tiny_models import tiny_llama

@@ -12,8 +12,8 @@ import pytest
 import torch
 from tiny_models import save_tiny_pair, tiny_llama
 
-from specdec.commands.serve import serve_parser
-from specdec.stack import free_port
+from specdec.config import serve_parser
+from specdec.serving.stack import free_port
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "SPECDEC_TRACING": "off",
@@ -69,8 +69,8 @@ def test_coordinator_accepts_a_pair_sharing_the_tokenizer(models: dict[str, Path
 
 
 def test_the_embedded_draft_maps_into_the_target_vocabulary() -> None:
-    from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET
-    from specdec.tokenizer_check import check_pair, token_map_mismatch
+    from specdec.engine.models import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdec.engine.tokenizer_check import check_pair, token_map_mismatch
 
     check_pair(DEFAULT_TARGET, DEFAULT_DRAFT, None, 49152)
     assert "beyond the target's vocabulary of 100" in (token_map_mismatch([1, 200], 100) or "")

@@ -8,16 +8,16 @@ from exact_law import chi_square_pvalue, target_law
 from test_greedy_and_kv import PROMPT, hf_greedy
 from tiny_models import tiny_gpt2, tiny_llama
 
-from specdec.adaptive import AdaptiveLength, CostModel
-from specdec.history import TokenHistory
-from specdec.interfaces import Proposal
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.policy import FixedLength
-from specdec.prompt_lookup import LookupEvidence, PromptLookup, find_continuation
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.stats import DRAFT_MODEL, PROMPT_LOOKUP
+from specdec.core.adaptive import AdaptiveLength, CostModel
+from specdec.core.history import TokenHistory
+from specdec.core.interfaces import Proposal
+from specdec.core.loop import GenerateConfig, RoundEvent, generate
+from specdec.core.policy import FixedLength
+from specdec.core.prompt_lookup import LookupEvidence, PromptLookup, find_continuation
+from specdec.core.sampling import SamplingParams
+from specdec.core.stats import DRAFT_MODEL, PROMPT_LOOKUP
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 
 
 @pytest.fixture(autouse=True)

@@ -18,10 +18,10 @@ import torch
 from tiny_models import save_tiny_pair
 
 from specdec.commands.ray_up import check_reachable
-from specdec.grpc_server import check_health
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specdec.ray_replicas import ReplicaSpec
-from specdec.stack import free_port
+from specdec.serving.grpc_server import check_health
+from specdec.serving.ray_replicas import ReplicaSpec
+from specdec.serving.stack import free_port
 
 pytestmark = pytest.mark.slow
 

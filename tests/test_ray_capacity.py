@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.commands.ray_up import check_capacity
-from specdec.ray_replicas import ReplicaSpec
+from specdec.serving.ray_replicas import ReplicaSpec
 
 
 def specs(target: int, target_cpus: float, draft: int = 1, draft_cpus: float = 1.0,

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import models
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.runner import ModelRunner
+from specdec.core.loop import GenerateConfig, generate
+from specdec.engine import models
+from specdec.engine.backends.cpu import load_causal_lm
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ ACCEPTANCE_RATE_FLOOR = 0.09
 @pytest.fixture(scope="module")
 def target() -> models.LoadedModel:
     torch.set_num_threads(2)
-    return models.load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.float32,
+    return load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.float32,
                                  progress=False)
 
 
@@ -69,10 +70,10 @@ def test_tokenizer_and_eos_are_smollm2_instruct(target: models.LoadedModel) -> N
 
 def test_greedy_equals_target_with_truncated_draft(target: models.LoadedModel,
                                                    tmp_path: Path) -> None:
-    from specdec.draft_fallback import truncated_copy
+    from specdec.engine.draft_fallback import truncated_copy
 
     draft_dir = truncated_copy(models.resolve(models.DEFAULT_TARGET), tmp_path / "draft", 2)
-    draft = models.load_causal_lm(str(draft_dir), torch.device("cpu"), torch.float32)
+    draft = load_causal_lm(str(draft_dir), torch.device("cpu"), torch.float32)
     eos = target.model.config.eos_token_id
     for text in PROMPTS:
         ids = chat_ids(target, text)
@@ -89,7 +90,7 @@ def test_committed_draft_is_exact_and_keeps_its_acceptance(target: models.Loaded
     directory = Path(models.resolve(name))
     if not (directory / "model.safetensors").exists():
         pytest.fail(f"the committed draft {name} is missing from {directory}")
-    draft = models.load_causal_lm(name, torch.device("cpu"), torch.float32)
+    draft = load_causal_lm(name, torch.device("cpu"), torch.float32)
     assert draft.token_map is not None
     runner = ModelRunner(draft.model, target_vocab_size=49152, token_map=draft.token_map)
     eos = target.model.config.eos_token_id

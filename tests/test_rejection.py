@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.rejection import residual, verify, verify_greedy
-from specdec.sampling import SamplingParams
+from specdec.core.rejection import residual, verify_greedy
+from specdec.core.sampling import SamplingParams
+from specdec.core.tree_acceptance import verify
 
 
 def one_step_law(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

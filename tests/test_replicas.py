@@ -35,12 +35,11 @@ from coordinator.endpoints import ReplicaEndpoints, endpoint_spec
 from coordinator.routing import ChannelClosed, ReplicaRoute
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
 from specdec.commands import serve
-from specdec.discovery import ReplicaSet, rank
-from specdec.grpc_server import ServerHandle, build_server, check_health, wait_healthy
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.model_service import model_info
-from specdec.prompt_lookup import PromptLookup
+from specdec.core.loop import GenerateConfig, generate
+from specdec.core.prompt_lookup import PromptLookup
+from specdec.core.sampling import SamplingParams
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -48,9 +47,10 @@ from specdec.proto.specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.stack import free_port
+from specdec.serving.discovery import ReplicaSet, rank
+from specdec.serving.grpc_server import ServerHandle, build_server, check_health, wait_healthy
+from specdec.serving.model_service import model_info
+from specdec.serving.stack import free_port
 from specdec.telemetry.service import Telemetry
 
 VOCAB = 32

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec import models
-from specdec.attention import resolve_attention
-from specdec.kernels import ONEDNN_MIN_ROWS, OneDnnLinear, resolve_kernel
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.runner import ExtendRequest, ModelRunner
-from specdec.shapes import DECODE_ROWS
+from specdec.core.loop import GenerateConfig, RoundEvent, generate
+from specdec.engine import models
+from specdec.engine.attention import resolve_attention
+from specdec.engine.backends.cpu import load_causal_lm
+from specdec.engine.kernels import ONEDNN_MIN_ROWS, OneDnnLinear, resolve_kernel
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ExtendRequest, ModelRunner
+from specdec.engine.shapes import DECODE_ROWS
 
 CPU = torch.device("cpu")
 
@@ -56,7 +57,7 @@ def test_onednn_linear_row_result_is_independent_of_row_count(dtype: torch.dtype
     # Every row count a decode-sized forward of one session can have (the runner cuts
     # longer extends into pieces of at most DECODE_ROWS). Beyond that the cap depends
     # on the CPU (an Intel host with AMX sums 33 or more rows in another order): the
-    # runner measures it at load (specdec.kernels.row_invariant_rows) and splits batches.
+    # runner measures it at load (specdec.engine.kernels.row_invariant_rows) and splits batches.
     layer = _onednn_layer(in_features, 192, dtype)
     x = torch.randn(DECODE_ROWS, in_features).to(dtype)
     with torch.inference_mode():
@@ -90,7 +91,7 @@ def test_auto_kernels_for_reduced_precision_on_cpu() -> None:
 
 def _load_target(attention_kernel: str = "auto") -> models.LoadedModel:
     torch.set_num_threads(2)
-    return models.load_causal_lm(models.DEFAULT_TARGET, CPU, torch.bfloat16, progress=False,
+    return load_causal_lm(models.DEFAULT_TARGET, CPU, torch.bfloat16, progress=False,
                                  attention_kernel=attention_kernel)
 
 
@@ -183,7 +184,7 @@ def test_token_tree_branches_equal_decoded_rows_bit_for_bit(
 def test_token_tree_branches_match_decoded_rows_with_the_other_kernels(kernel: str) -> None:
     """float32 kernels take the tree as a 4D mask: equal up to float32 rounding."""
     torch.set_num_threads(2)
-    target = models.load_causal_lm(models.DEFAULT_TARGET, CPU, torch.float32, progress=False,
+    target = load_causal_lm(models.DEFAULT_TARGET, CPU, torch.float32, progress=False,
                                    attention_kernel=kernel)
     branches, decoded = _branches_vs_decode(ModelRunner(target.model))
     torch.testing.assert_close(branches, decoded, rtol=1e-4, atol=1e-4)
@@ -248,7 +249,7 @@ def test_bfloat16_greedy_speculation_equals_target_only_decoding(
     transformers' `generate` (prefill, then one-row forwards) on the same model object."""
     tokenizer = target_bf16.tokenizer
     assert tokenizer is not None
-    draft = models.load_causal_lm(draft_name, CPU, torch.bfloat16, progress=False)
+    draft = load_causal_lm(draft_name, CPU, torch.bfloat16, progress=False)
     eos = [int(target_bf16.model.config.eos_token_id)]
     prompts = [list(tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specdec.sampling import (
+from specdec.core.sampling import (
     TOP_P_CANDIDATES,
     Purpose,
     SamplingParams,

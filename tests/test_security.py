@@ -1,7 +1,7 @@
 """TLS, mutual TLS, API keys and limits on real servers over loopback, tiny models.
 
-The secure stack here is the one `specdec serve` builds (specdec.security.server_options
-into specdec.grpc_server.build_server), in this process; test_security_up.py runs
+The secure stack here is the one `specdec serve` builds (specdec.serving.security.server_options
+into specdec.serving.grpc_server.build_server), in this process; test_security_up.py runs
 `specdec up --secure` as processes."""
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from coordinator.endpoints import StaticEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
 from draft_service.servicer import DraftServicer
 from specdec import cli
-from specdec.commands.certs import write_certs
-from specdec.grpc_server import ServerHandle, build_server, check_health
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
+from specdec.core.loop import GenerateConfig, generate
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -41,8 +40,9 @@ from specdec.proto.specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from specdec.runner import ModelRunner
-from specdec.security import (
+from specdec.serving.certificates import write_certs
+from specdec.serving.grpc_server import ServerHandle, build_server, check_health
+from specdec.serving.security import (
     ApiKeys,
     SecuritySettings,
     bearer,
@@ -300,7 +300,7 @@ def test_coordinator_side_refuses_services_signed_by_another_ca(stack, pki) -> N
 
 
 def test_health_port_serves_health_only_in_plaintext(models, pki) -> None:
-    from specdec.stack import free_port
+    from specdec.serving.stack import free_port
 
     port = free_port()
     running = start_secure(models, secure_settings(pki, health_port=port))
@@ -325,14 +325,14 @@ def test_health_port_serves_health_only_in_plaintext(models, pki) -> None:
 def test_non_loopback_plaintext_bind_warns(caplog: pytest.LogCaptureFixture,
                                            models) -> None:
     target = TargetServicer(ModelRunner(models[0]))
-    with caplog.at_level(logging.WARNING, logger="specdec.security"):
+    with caplog.at_level(logging.WARNING, logger="specdec.serving.security"):
         handle = build_server([target.service()], host="0.0.0.0")
     handle.stop(0)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "plaintext" in warnings[0]
     assert "specdec.v1.Target" in warnings[0] and "SPECDEC_TLS_CERT_FILE" in warnings[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="specdec.security"):
+    with caplog.at_level(logging.WARNING, logger="specdec.serving.security"):
         build_server([target.service()], host="127.0.0.1").stop(0)
     assert not caplog.records
 

@@ -27,8 +27,8 @@ from specdec.proto.specdec.v1 import (
     draft_pb2,
     draft_pb2_grpc,
 )
-from specdec.security import bearer
-from specdec.stack import free_port
+from specdec.serving.security import bearer
+from specdec.serving.stack import free_port
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
 

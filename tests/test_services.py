@@ -16,12 +16,12 @@ from service_harness import DelayInterceptor, Services
 from tiny_models import tiny_llama
 
 from coordinator.servicer import CoordinatorSettings
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.prompt_lookup import PromptLookup
+from specdec.core.loop import GenerateConfig, RoundEvent, generate
+from specdec.core.prompt_lookup import PromptLookup
+from specdec.core.sampling import SamplingParams
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
 
 VOCAB = 32
 LOOKUP = PromptLookup(VOCAB)  # the coordinator's default
@@ -419,8 +419,8 @@ def test_concurrent_requests_equal_sequential_ones(services) -> None:
 def test_wire_tensor_work_runs_on_the_compute_thread(services, monkeypatch) -> None:
     """Probabilities are decoded and encoded on each service's compute thread: a torch op
     on a gRPC worker thread starts another OpenMP team, which shortens the spin of the
-    forward's team (specdec.model_service.BatchScheduler.submit)."""
-    from specdec import wire
+    forward's team (specdec.serving.model_service.BatchScheduler.submit)."""
+    from specdec.serving import wire
 
     # (function, calling module) -> threads; the coordinator shares this test process.
     threads: dict[tuple[str, str], set[str]] = {}

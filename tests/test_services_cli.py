@@ -17,9 +17,9 @@ import torch
 from child_process import read_until
 from tiny_models import save_tiny_pair
 
-from specdec.grpc_server import check_health
 from specdec.proto.specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.stack import free_port
+from specdec.serving.grpc_server import check_health
+from specdec.serving.stack import free_port
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
 

@@ -13,7 +13,7 @@ from service_harness import Services
 from tiny_models import tiny_llama
 
 from coordinator.servicer import CoordinatorSettings
-from specdec.history import TokenHistory
+from specdec.core.history import TokenHistory
 from specdec.proto.specdec.v1 import (
     common_pb2,
     coordinator_pb2,

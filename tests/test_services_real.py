@@ -16,14 +16,15 @@ import torch
 from service_harness import Services
 
 from coordinator.servicer import CoordinatorSettings
-from specdec import models
-from specdec.draft_fallback import truncated_copy
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, generate
-from specdec.model_service import model_info
+from specdec.core.loop import GenerateConfig, generate
+from specdec.core.sampling import SamplingParams
+from specdec.engine import models
+from specdec.engine.backends.cpu import load_causal_lm
+from specdec.engine.draft_fallback import truncated_copy
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
+from specdec.serving.model_service import model_info
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def trained_draft_present() -> bool:
 @pytest.fixture(scope="module")
 def target() -> models.LoadedModel:
     torch.set_num_threads(1)
-    return models.load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.float32,
+    return load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.float32,
                                  progress=False)
 
 
@@ -50,7 +51,7 @@ def draft(request: pytest.FixtureRequest,
     if source == models.DEFAULT_DRAFT and not trained_draft_present():
         source = str(truncated_copy(models.resolve(models.DEFAULT_TARGET, progress=False),
                                     tmp_path_factory.mktemp("draft") / "truncated", layers=2))
-    return models.load_causal_lm(source, torch.device("cpu"), torch.float32, progress=False)
+    return load_causal_lm(source, torch.device("cpu"), torch.float32, progress=False)
 
 
 def make_services(target: models.LoadedModel, draft: models.LoadedModel) -> Services:

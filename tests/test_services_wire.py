@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from coordinator.streaming import StreamChunker
-from specdec import wire
+from specdec.core.sampling import SamplingParams, process_logits
 from specdec.errors import InvalidRequest
-from specdec.grpc_server import Service, build_server, check_health
 from specdec.proto.specdec.v1 import common_pb2
-from specdec.sampling import SamplingParams, process_logits
+from specdec.serving import wire
+from specdec.serving.grpc_server import Service, build_server, check_health
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -160,8 +160,8 @@ def test_health_and_reflection_with_grpcurl() -> None:
 
 
 def test_a_sync_point_carries_its_prefill_length_and_a_bad_one_is_rejected() -> None:
-    from specdec.history import SyncPoint
-    from specdec.wire import sync_from_proto, sync_to_proto
+    from specdec.core.history import SyncPoint
+    from specdec.serving.wire import sync_from_proto, sync_to_proto
 
     resent = SyncPoint("s", 0, 0, [1, 2, 3, 4], prefill_length=3)
     assert sync_from_proto(sync_to_proto(resent), 8) == resent

@@ -82,7 +82,7 @@ def test_deployments_use_the_default_ports() -> None:
 
 
 def test_serve_flags_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specdec.commands.serve import serve_parser
+    from specdec.config import serve_parser
 
     for setting in SETTINGS.values():
         monkeypatch.delenv(setting.env, raising=False)
@@ -113,8 +113,9 @@ def test_up_forwards_every_service_setting() -> None:
 def test_code_defaults_are_the_registry_defaults() -> None:
     from coordinator.servicer import CoordinatorSettings, make_policy
     from draft_service.servicer import DraftServicer
-    from specdec import adaptive, prompt_lookup, steps
-    from specdec.loop import GenerateConfig
+    from specdec.core import adaptive, prompt_lookup
+    from specdec.core.loop import GenerateConfig
+    from specdec.engine import steps
     from target_service.servicer import TargetServicer
 
     coordinator = CoordinatorSettings()
@@ -147,7 +148,7 @@ def test_code_defaults_are_the_registry_defaults() -> None:
 
 
 def test_choices_match_the_modules_that_implement_them() -> None:
-    from specdec import attention, draft_compile, kernels
+    from specdec.engine import attention, draft_compile, kernels
 
     assert settings.LINEAR_KERNELS == kernels.KERNELS
     assert settings.ATTENTION_KERNELS == attention.ATTENTION_KERNELS

@@ -65,8 +65,8 @@ def test_a_session_released_mid_call_leaves_no_cache() -> None:
 
     from tiny_models import tiny_llama
 
-    from specdec.model_service import SessionTable
-    from specdec.runner import ExtendRequest, ExtendResult, ModelRunner
+    from specdec.engine.runner import ExtendRequest, ExtendResult, ModelRunner
+    from specdec.serving.model_service import SessionTable
 
     runner = ModelRunner(tiny_llama(32))
     table = SessionTable(runner)

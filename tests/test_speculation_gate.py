@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specdec.adaptive import AdaptiveLength, CostModel
-from specdec.speculation_gate import SpeculationGate, load_level
+from specdec.core.adaptive import AdaptiveLength, CostModel
+from specdec.core.speculation_gate import SpeculationGate, load_level
 
 
 class Clock:

@@ -1,8 +1,8 @@
-"""`specdec up` splits the host's CPUs between the draft and the target (specdec.stack)."""
+"""`specdec up` splits the host's CPUs between the draft and the target (specdec.serving.stack)."""
 
 from __future__ import annotations
 
-from specdec.stack import co_located_threads, split_threads
+from specdec.serving.stack import co_located_threads, split_threads
 
 
 def test_the_cpus_are_split_never_shared() -> None:

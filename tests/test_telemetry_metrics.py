@@ -6,8 +6,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.prompt_lookup import PromptLookup
-from specdec.runner import ModelRunner
+from specdec.core.prompt_lookup import PromptLookup
+from specdec.engine.runner import ModelRunner
 from specdec.telemetry.service import Telemetry
 from tests.telemetry_helpers import run_request
 from tests.tiny_models import tiny_llama

@@ -132,7 +132,7 @@ def test_exception_closes_open_round_and_marks_error() -> None:
         def release(self, session_id: str) -> None:
             pass
 
-    from specdec.loop import GenerateConfig, generate
+    from specdec.core.loop import GenerateConfig, generate
 
     with pytest.raises(RuntimeError), telemetry.request("r", 3, GenerateConfig()) as observed:
         generate(None, observed.verifier(Broken()), [1, 2, 3], GenerateConfig(max_new_tokens=2),

@@ -7,14 +7,14 @@ import torch
 from test_greedy_and_kv import PROMPT, hf_greedy
 from tiny_models import tiny_gpt2, tiny_llama
 
+from specdec.core.history import TokenHistory
+from specdec.core.loop import GenerateConfig, RoundEvent, generate
+from specdec.core.sampling import SamplingParams
+from specdec.core.tree_acceptance import Alternatives, verify
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
+from specdec.engine.steps import alternatives_budget
 from specdec.errors import InvalidRequest
-from specdec.history import TokenHistory
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.rejection import Alternatives, verify
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.steps import alternatives_budget
 
 
 @pytest.fixture(autouse=True)
@@ -191,7 +191,7 @@ def test_verifier_and_runner_refuse_bad_trees() -> None:
 
 
 def test_round_spans_report_the_tree_and_the_kept_ranks() -> None:
-    from specdec.interfaces import Proposal
+    from specdec.core.interfaces import Proposal
     from specdec.telemetry import names as n
     from specdec.telemetry.round_tracer import rejection_attributes, round_attributes
 

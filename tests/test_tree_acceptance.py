@@ -1,4 +1,4 @@
-"""Exactness of token-tree acceptance (specdec/tree_acceptance.py).
+"""Exactness of token-tree acceptance (specdec/core/tree_acceptance.py).
 
 Analytic: the one-node law of recursive rejection sampling without replacement, enumerated
 over every ordered sibling draw, equals the target row; the implementation's acceptance
@@ -6,7 +6,7 @@ thresholds and residuals equal the enumeration's (forced uniforms). Empirical: t
 law of the first two tokens a depth-2 tree emits, drafted with draw_siblings from a toy
 two-step model, fits the target's enumerated law by chi-square, and two plausible wrong
 rules are rejected by the same test. Greedy trees emit the target's greedy text; a chain
-(no branches) verifies bit for bit as specdec.rejection does.
+(no branches) verifies bit for bit as specdec.core.rejection does.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import pytest
 import torch
 from exact_law import chi_square_pvalue
 
-from specdec import tree_acceptance
-from specdec.rejection import verify_greedy, verify_stochastic
-from specdec.sampling import Purpose, SamplingParams, draw, process_logits, uniforms
-from specdec.tree_acceptance import TreeVerdict, draw_siblings, verify_tree
+from specdec.core import tree_acceptance
+from specdec.core.rejection import verify_greedy, verify_stochastic
+from specdec.core.sampling import Purpose, SamplingParams, draw, process_logits, uniforms
+from specdec.core.tree_acceptance import TreeVerdict, draw_siblings, verify_tree
 
 # A node's children, in rank order, keyed by the node's token path from the root (() is
 # the root). Sibling tokens are distinct, so a token path names one node.

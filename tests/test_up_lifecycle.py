@@ -18,7 +18,7 @@ import torch
 from child_process import read_until
 from tiny_models import save_tiny_pair
 
-from specdec.stack import check_ports_free, free_port, last_error_line
+from specdec.serving.stack import check_ports_free, free_port, last_error_line
 
 SPECDEC = [sys.executable, "-m", "specdec.cli"]
 ENV = {**os.environ, "SPECDEC_TORCH_THREADS": "1", "SPECDEC_TRACING": "off"}

@@ -30,9 +30,9 @@ def assert_speculative_greedy_equals_hf(target: torch.nn.Module, reference: torc
                                         draft: torch.nn.Module,
                                         lengths: tuple[int, ...] = (1, 3, 6)) -> None:
     """specdec's greedy output with `target` == transformers' generate with `reference`."""
-    from specdec.local import LocalDrafter, LocalVerifier
-    from specdec.loop import GenerateConfig, generate
-    from specdec.runner import ModelRunner
+    from specdec.core.loop import GenerateConfig, generate
+    from specdec.engine.local import LocalDrafter, LocalVerifier
+    from specdec.engine.runner import ModelRunner
 
     prompt = [3, 14, 15, 9, 2, 6]
     with torch.no_grad():
@@ -48,8 +48,8 @@ def assert_speculative_greedy_equals_hf(target: torch.nn.Module, reference: torc
 
 def tiny_feature_draft(vocab_size: int = 16, target_hidden: int = 32, seed: int = 0,
                        logit_scale: float = 1.0) -> torch.nn.Module:
-    """A 1-layer draft that reads a target's hidden states (specdec.feature_draft)."""
-    from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
+    """A 1-layer draft that reads a target's hidden states (specdec.engine.feature_draft)."""
+    from specdec.engine.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
@@ -70,7 +70,7 @@ def save_tiny_pair(root: Path) -> tuple[Path, Path]:
     (so text prompts, chat and stop strings work end to end)."""
     from transformers import AutoTokenizer
 
-    from specdec.models import DEFAULT_TARGET, resolve
+    from specdec.engine.models import DEFAULT_TARGET, resolve
 
     tokenizer = AutoTokenizer.from_pretrained(resolve(DEFAULT_TARGET, progress=False))
     paths = []

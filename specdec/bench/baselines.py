@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
-from specdec.attention import apply_attention_kernel
 from specdec.bench.configs import HF_ASSISTED, BenchConfig, RunRecord, SamplingMode
-from specdec.kernels import apply_linear_kernel
+from specdec.engine.attention import apply_attention_kernel
+from specdec.engine.kernels import apply_linear_kernel
 
 
 class FullVocabDraft(LlamaForCausalLM):

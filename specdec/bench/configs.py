@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from specdec.sampling import SamplingParams
+from specdec.core.sampling import SamplingParams
 
 # target-only baselines, transformers' assisted generation, and specdec's two shapes.
 TARGET_ONLY = "target-only"

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.runner import ModelRunner
-from specdec.timing import extend_timer, round_robin
+from specdec.engine.runner import ModelRunner
+from specdec.engine.timing import extend_timer, round_robin
 
 # Memory read bandwidth measured on the reference machine (2 threads), bytes per second.
 DEFAULT_BANDWIDTH = 15e9

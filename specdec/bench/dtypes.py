@@ -3,22 +3,19 @@
 "float32", "bfloat16", "float16": weights and activations in that dtype.
 "int8": float32 model whose nn.Linear layers (LM head included) are replaced by
 torch's dynamic int8 quantisation (int8 weights, activations quantised per call).
-"FORMAT@KERNEL" (e.g. "float32@torch") also picks the linear kernel (specdec.kernels),
+"FORMAT@KERNEL" (e.g. "float32@torch") also picks the linear kernel (specdec.engine.kernels),
 and "FORMAT@KERNEL@ATTENTION" (e.g. "float32@skinny@sdpa") the attention kernel
-(specdec.attention); without them the bench's --linear-kernel / --attention-kernel apply.
+(specdec.engine.attention); without them the bench's --linear-kernel / --attention-kernel apply.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from specdec.runner import ModelRunner
-
-if TYPE_CHECKING:
-    from specdec.bench.harness import BenchSettings
+from specdec.engine.runner import ModelRunner
 
 FORMATS = ("float32", "bfloat16", "float16", "int8")
 
@@ -30,10 +27,20 @@ def quantize_int8(model: Any) -> Any:
                                                       dtype=torch.qint8)
 
 
-def load_runners(settings: BenchSettings, label: str) -> tuple[ModelRunner, ModelRunner]:
-    from specdec.attention import ATTENTION_KERNELS
-    from specdec.kernels import KERNELS
-    from specdec.models import load_causal_lm, parse_dtype
+class PairSettings(Protocol):
+    """The bench settings a format's pair is loaded with (BenchSettings has them)."""
+
+    target_model: str
+    draft_model: str
+    linear_kernel: str
+    attention_kernel: str
+
+
+def load_runners(settings: PairSettings, label: str) -> tuple[ModelRunner, ModelRunner]:
+    from specdec.engine.attention import ATTENTION_KERNELS
+    from specdec.engine.backends.cpu import load_causal_lm
+    from specdec.engine.kernels import KERNELS
+    from specdec.engine.models import parse_dtype
 
     name, _, kernels = label.partition("@")
     kernel, _, attention = kernels.partition("@")

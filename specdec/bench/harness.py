@@ -21,8 +21,6 @@ from typing import Any, Protocol
 
 import torch
 
-from specdec.adaptive import CostModel
-from specdec.attention import resolve_attention
 from specdec.bench import baselines, systems
 from specdec.bench.configs import (
     GRPC,
@@ -38,11 +36,13 @@ from specdec.bench.configs import (
 )
 from specdec.bench.costs import CostCurve, measure_costs
 from specdec.bench.prompts import BenchPrompt, chat_encoder, load_prompts, select
-from specdec.feature_draft import is_feature_draft
-from specdec.kernels import resolve_kernel
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.models import DEFAULT_DRAFT, parse_dtype
-from specdec.runner import ModelRunner
+from specdec.core.adaptive import CostModel
+from specdec.engine.attention import resolve_attention
+from specdec.engine.feature_draft import is_feature_draft
+from specdec.engine.kernels import resolve_kernel
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.models import DEFAULT_DRAFT, parse_dtype
+from specdec.engine.runner import ModelRunner
 from specdec.settings import default
 
 WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
@@ -60,15 +60,15 @@ class BenchSettings:
     torch_threads: int = 0
     linear_kernel: str = "auto"
     attention_kernel: str = "auto"
-    # The draft's (and hf-assisted's assistant's) own precision (specdec.draft_precision):
+    # The draft's (and hf-assisted's assistant's) own precision (specdec.engine.draft_precision):
     # "auto" measures, "same" = dtype; an empty kernel = linear_kernel.
     draft_dtype: str = "auto"
     draft_linear_kernel: str = ""
-    # torch.compile of the draft's forward (specdec.draft_compile). hf-assisted runs a
+    # torch.compile of the draft's forward (specdec.engine.draft_compile). hf-assisted runs a
     # copy of its own, eager, for a draft with a reduced vocabulary (the default draft).
     draft_compile: str = "auto"
     # Threads of each service process (0 = torch default, as `specdec up`); with forwards
-    # on one compute thread and a short OpenMP spin, 2 beat 1 here (specdec/stack.py).
+    # on one compute thread and a short OpenMP spin, 2 beat 1 here (specdec/serving/stack.py).
     grpc_torch_threads: int = 0
     modes: tuple[str, ...] = tuple(MODES)
     systems: tuple[str, ...] = SYSTEMS
@@ -108,7 +108,7 @@ class BenchModels:
     assistant: Any | None = None
     assistant_token_map: torch.Tensor | None = None
     assistant_source: str = ""
-    # What the draft runs in (specdec.draft_precision): the short label for tables, the
+    # What the draft runs in (specdec.engine.draft_precision): the short label for tables, the
     # chooser's account with its timings for the report header, and the kernel
     # hf-assisted's assistant then uses too.
     draft_precision: str = ""
@@ -157,9 +157,9 @@ def stable_seed(*parts: object) -> int:
 
 
 def load_models(settings: BenchSettings) -> BenchModels:
-    from specdec.draft_precision import load_draft
-    from specdec.model_service import model_info
-    from specdec.models import load_causal_lm, parse_dtype, resolve
+    from specdec.engine.backends.cpu import CpuTunedBackend, load_causal_lm
+    from specdec.engine.models import parse_dtype, resolve
+    from specdec.serving.model_service import model_info
 
     dtype = parse_dtype(settings.dtype)
     cpu = torch.device("cpu")
@@ -167,10 +167,13 @@ def load_models(settings: BenchSettings) -> BenchModels:
                             linear_kernel=settings.linear_kernel,
                             attention_kernel=settings.attention_kernel)
     info = model_info(settings.target_model)
-    choice = load_draft(settings.draft_model, cpu, *settings.draft_precision,
-                        shared_dtype=dtype, attention_kernel=settings.attention_kernel,
-                        target_vocab_size=info.vocab_size, progress=settings.progress,
-                        compile_setting=settings.draft_compile)
+    draft_dtype, draft_linear_kernel = settings.draft_precision
+    backend = CpuTunedBackend(cpu, dtype, linear_kernel=settings.linear_kernel,
+                              attention_kernel=settings.attention_kernel, draft_dtype=draft_dtype,
+                              draft_linear_kernel=draft_linear_kernel,
+                              draft_compile=settings.draft_compile)
+    choice = backend.load_draft(settings.draft_model, target_vocab_size=info.vocab_size,
+                                progress=settings.progress)
     draft, precision = choice.loaded, choice.precision
     models = BenchModels(target.model, draft.model, draft.token_map, target.tokenizer,
                          info.eos_token_ids, str(resolve(settings.draft_model)),
@@ -202,7 +205,7 @@ class ProcessStack:
         import grpc
 
         from specdec.proto.specdec.v1 import coordinator_pb2_grpc
-        from specdec.stack import start_stack
+        from specdec.serving.stack import start_stack
 
         args = ["--target-model", settings.target_model, "--draft-model", settings.draft_model,
                 "--dtype", settings.dtype, "--torch-threads", str(settings.grpc_torch_threads),
@@ -370,7 +373,7 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
     prompts = select(prompts if prompts is not None else load_prompts(), settings.per_category)
     draft_trained = None
     if models is None and settings.draft_model == DEFAULT_DRAFT:
-        from specdec.draft_fallback import default_draft_or_truncated
+        from specdec.engine.draft_fallback import default_draft_or_truncated
 
         path, draft_trained = default_draft_or_truncated()
         settings = dataclasses.replace(settings, draft_model=path)

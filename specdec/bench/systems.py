@@ -5,14 +5,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from specdec.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, HeuristicLength
 from specdec.bench.configs import GATED, TARGET_ONLY, BenchConfig, RunRecord, SamplingMode
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, GenerationResult, generate
-from specdec.policy import FixedLength, LengthPolicy
-from specdec.prompt_lookup import DEFAULT_LOOKUP_TOKENS, PromptLookup
+from specdec.core.adaptive import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    AdaptiveLength,
+    CostModel,
+    HeuristicLength,
+)
+from specdec.core.loop import GenerateConfig, GenerationResult, generate
+from specdec.core.policy import FixedLength, LengthPolicy
+from specdec.core.prompt_lookup import DEFAULT_LOOKUP_TOKENS, PromptLookup
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.steps import DEFAULT_ALTERNATIVES
 from specdec.settings import default
-from specdec.steps import DEFAULT_ALTERNATIVES
 
 # The first round's length when nothing is known yet (the server default).
 ADAPTIVE_START: int = default("num-draft-tokens")
@@ -68,7 +73,7 @@ def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
 def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
               verifier: LocalVerifier, prompt_ids: list[int], max_new_tokens: int,
               eos: tuple[int, ...], seed: int, costs: CostModel, max_length: int) -> RunRecord:
-    """specdec.loop in this process: target-only (k = 0) or with the draft."""
+    """specdec.core.loop in this process: target-only (k = 0) or with the draft."""
     params = mode.params(seed)
     speculative = config.system != TARGET_ONLY
     policy = local_policy(config, costs, params.greedy, max_length) if speculative else None
@@ -90,8 +95,8 @@ def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
 
 def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
                  max_new_tokens: int, seed: int, max_length: int = 8) -> Any:
-    from specdec import wire
     from specdec.proto.specdec.v1 import coordinator_pb2
+    from specdec.serving import wire
 
     request = coordinator_pb2.GenerateRequest(
         prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,

@@ -262,7 +262,7 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
     from specdec.bench.harness import machine_info
     from specdec.bench.load import LoadPrompt, LoadSettings, run_load, write_outputs
     from specdec.bench.prompts import chat_encoder, load_prompts, select
-    from specdec.models import load_tokenizer
+    from specdec.engine.models import load_tokenizer
     from specdec.proto.specdec.v1 import coordinator_pb2_grpc
 
     quick = LOAD_QUICK if args.quick else {}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.commands.up import add_stack_settings, start
-from specdec.models import DEFAULT_DRAFT
+from specdec.engine.models import DEFAULT_DRAFT
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     if args.draft_model == DEFAULT_DRAFT:
-        from specdec.draft_fallback import default_draft_or_truncated
+        from specdec.engine.draft_fallback import default_draft_or_truncated
 
         args.draft_model, trained = default_draft_or_truncated()
         if not trained:

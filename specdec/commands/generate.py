@@ -122,7 +122,7 @@ def call(endpoint: str, request: Any, *, stream: bool, timeout_s: float,
     """Run the request; with stream, pass each text piece to echo(text) as it arrives.
     Returns one GenerateResponse (stream pieces merged)."""
     from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from specdec.security import bearer, public_channel
+    from specdec.serving.security import bearer, public_channel
 
     metadata = bearer(api_key)
     with public_channel(endpoint, ca_file=tls_ca_file) as channel:

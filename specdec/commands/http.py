@@ -1,7 +1,7 @@
 """`specdec http`: the OpenAI-compatible HTTP API in front of a coordinator.
 
 With --tls-cert-file / --tls-key-file it serves HTTPS; with --tls-ca-file it calls the
-coordinator over TLS, verifying the coordinator's certificate (specdec.security)."""
+coordinator over TLS, verifying the coordinator's certificate (specdec.serving.security)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import IO
 
 from specdec.config import add_setting
-from specdec.http_api.app import HttpSettings
-from specdec.models import DEFAULT_TARGET
-from specdec.security import SecuritySettings, https_files, warn_if_exposed
+from specdec.engine.models import DEFAULT_TARGET
+from specdec.serving.http_api.app import HttpSettings
+from specdec.serving.security import SecuritySettings, https_files, warn_if_exposed
+from specdec.serving.stack import PARENT_PID_ENV, free_port
 from specdec.settings import HTTP_SECURITY_SETTINGS, add_settings, default
-from specdec.stack import PARENT_PID_ENV, free_port
 
 DEFAULT_HTTP_PORT: int = default("http-port")
 DEFAULTS = HttpSettings()
@@ -76,7 +76,7 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from specdec.http_api.app import create_app
+    from specdec.serving.http_api.app import create_app
 
     settings = settings_from_args(args)
     served = https_files(settings.security)
@@ -147,7 +147,7 @@ def start_http(coordinator: str, port: int, target_model: str, timeout_s: float,
          "--http-port", str(port), "--coordinator-endpoint", coordinator,
          "--target-model", target_model],
         stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
-        # It dies with this process, like the stack's children (specdec.stack).
+        # It dies with this process, like the stack's children (specdec.serving.stack).
         env={**environ, PARENT_PID_ENV: str(os.getpid())})
     scheme = "https" if security.tls else "http"
     http = HttpProcess(f"{scheme}://{host}:{port}", process, log, security.tls_ca_file)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec import models
+from specdec.engine import models
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

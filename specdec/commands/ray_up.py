@@ -11,14 +11,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdec.commands.serve import add_service_settings, serve_parser
 from specdec.commands.up import service_args
-from specdec.config import add_setting
+from specdec.config import add_service_settings, add_setting, serve_parser
 from specdec.telemetry.settings import add_telemetry_settings, trace_file_for
 
 if TYPE_CHECKING:
     from coordinator.endpoints import ReplicaEndpoints
-    from specdec.ray_replicas import Replicas, ReplicaSpec
+    from specdec.serving.ray_replicas import Replicas, ReplicaSpec
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def replica_env() -> dict[str, str]:
-    from specdec.stack import SERVICE_THREAD_ENV
+    from specdec.serving.stack import SERVICE_THREAD_ENV
 
     forwarded = {name: value for name, value in os.environ.items()
                  if name.startswith(FORWARDED_ENV_PREFIXES)}
@@ -86,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise RuntimeError("specdec ray needs Ray: pip install 'specdec[ray]'") from None
 
-    from specdec.grpc_server import serve_until_signal
-    from specdec.ray_replicas import ReplicaSpec, start_replicas
+    from specdec.serving.grpc_server import serve_until_signal
+    from specdec.serving.ray_replicas import ReplicaSpec, start_replicas
     from specdec.telemetry.service import Telemetry
 
     specs = [ReplicaSpec(role, getattr(args, f"{role}_replicas"),

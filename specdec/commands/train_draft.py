@@ -12,11 +12,11 @@ import json
 import time
 from pathlib import Path
 
-from specdec import models
 from specdec.config import add_setting
+from specdec.engine import models
 
 STAGES = ("data", "train", "eval", "card")
-ASSET_DIR = Path(models.__file__).parent / "assets" / "draft"
+ASSET_DIR = models.DRAFT_DIR
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -99,10 +99,11 @@ def evaluate_draft(target_dir: str, draft_dir: Path, num_prompts: int) -> dict:
     import torch
 
     from specdec.draft_training.evaluate import evaluate
-    from specdec.runner import ModelRunner
+    from specdec.engine.backends.cpu import load_causal_lm
+    from specdec.engine.runner import ModelRunner
 
-    target = models.load_causal_lm(target_dir, torch.device("cpu"), torch.float32)
-    draft = models.load_causal_lm(str(draft_dir), torch.device("cpu"), torch.float32)
+    target = load_causal_lm(target_dir, torch.device("cpu"), torch.float32)
+    draft = load_causal_lm(str(draft_dir), torch.device("cpu"), torch.float32)
     target_runner = ModelRunner(target.model)
     draft_runner = ModelRunner(draft.model, target_vocab_size=target_runner.vocab.target_vocab_size,
                                token_map=draft.token_map)

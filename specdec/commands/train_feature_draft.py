@@ -11,12 +11,12 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec import models
 from specdec.commands.train_draft import add_data_settings, evaluate_draft, generate_data
 from specdec.config import add_setting
+from specdec.engine import models
 
 STAGES = ("data", "hidden", "train", "eval", "card")
-ASSET_DIR = Path(models.__file__).parent / "assets" / "feature-draft"
+ASSET_DIR = models.FEATURE_DRAFT_DIR
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -2,7 +2,7 @@
 stopped.
 
 The services stop whenever `up` does: Ctrl-C, SIGTERM, a closed terminal (SIGHUP), an
-error in `up`, or `up` killed outright (specdec.stack). Every port is checked before
+error in `up`, or `up` killed outright (specdec.serving.stack). Every port is checked before
 anything starts, and "ready" is printed only once this run's own processes serve.
 """
 
@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 from specdec.commands.http import DEFAULT_HTTP_PORT, start_http
-from specdec.commands.serve import DEFAULT_PORTS, add_service_settings
-from specdec.config import add_setting
-from specdec.security import SecuritySettings
+from specdec.config import DEFAULT_PORTS, add_service_settings, add_setting
+from specdec.serving.security import SecuritySettings
+from specdec.serving.stack import Stack, check_ports_free, start_stack
 from specdec.settings import DEFAULT_METRICS_PORTS, SERVICE_SETTINGS
-from specdec.stack import Stack, check_ports_free, start_stack
 from specdec.telemetry.settings import add_telemetry_settings
 
 HOST = "127.0.0.1"
@@ -99,7 +98,7 @@ def secure_setup() -> tuple[dict[str, str], str]:
     environment, and the key."""
     import tempfile
 
-    from specdec.security import secure_stack_env
+    from specdec.serving.security import secure_stack_env
 
     directory = Path(tempfile.mkdtemp(prefix="specdec-secure-"))  # mode 0700
     env, api_key = secure_stack_env(directory)

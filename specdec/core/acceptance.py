@@ -6,8 +6,8 @@ first `length` proposed tokens then emits E = 1 + sum_j prod_{i <= j} a_i tokens
 average, with a_i the position's rate shrunk towards a prior mean. Counts are discounted
 per recorded round, so code, lists and prose each pull the estimate their way in turn.
 
-The draft model's adaptive length (specdec.adaptive) and the prompt-lookup gate
-(specdec.prompt_lookup) each keep one per session.
+The draft model's adaptive length (specdec.core.adaptive) and the prompt-lookup gate
+(specdec.core.prompt_lookup) each keep one per session.
 """
 
 from __future__ import annotations

@@ -46,11 +46,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specdec.acceptance import ChainAcceptance
-from specdec.interfaces import ForwardBatch, Proposal, Verification
-from specdec.policy import FixedLength, LengthPolicy
+from specdec.core.acceptance import ChainAcceptance
+from specdec.core.interfaces import ForwardBatch, Proposal, Verification
+from specdec.core.policy import FixedLength, LengthPolicy
+from specdec.core.speculation_gate import SpeculationGate
 from specdec.settings import default
-from specdec.speculation_gate import SpeculationGate
 
 DEFAULT_MAX_DRAFT_TOKENS: int = default("max-draft-tokens")
 

@@ -66,7 +66,7 @@ class TokenHistory:
 
 class HiddenStateLog:
     """The target's final hidden state at each committed position, as verification
-    returns them: what a feature draft reads (specdec.feature_draft)."""
+    returns them: what a feature draft reads (specdec.engine.feature_draft)."""
 
     def __init__(self) -> None:
         self._rows: list[torch.Tensor] = []

@@ -1,6 +1,6 @@
 """What the speculative loop needs from "something that proposes" and "something that checks".
 
-Implementations: in-process (specdec.local) and gRPC clients (coordinator.clients). Both
+Implementations: in-process (specdec.engine.local) and gRPC clients (coordinator.clients). Both
 keep a CacheMirror per session: the tokens they believe the remote KV cache holds, from
 which each call's committed position, fingerprint and catch-up tokens follow.
 """
@@ -12,10 +12,10 @@ from typing import Protocol
 
 import torch
 
-from specdec.history import SyncPoint, TokenHistory
-from specdec.rejection import NO_ALTERNATIVES, Alternatives
-from specdec.sampling import SamplingParams
-from specdec.stats import DRAFT_MODEL
+from specdec.core.history import SyncPoint, TokenHistory
+from specdec.core.sampling import SamplingParams
+from specdec.core.stats import DRAFT_MODEL
+from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives
 
 
 @dataclass(frozen=True)

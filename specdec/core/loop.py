@@ -15,20 +15,20 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdec.history import HiddenStateLog, TokenHistory
-from specdec.interfaces import Drafter, DraftUnavailable, Proposal, Verification, Verifier
-from specdec.policy import (
+from specdec.core.history import HiddenStateLog, TokenHistory
+from specdec.core.interfaces import Drafter, DraftUnavailable, Proposal, Verification, Verifier
+from specdec.core.policy import (
     AlternativesPolicy,
     CostedPolicy,
     DraftBackoff,
     FixedLength,
     LengthPolicy,
 )
-from specdec.prompt_lookup import LookupEvidence, PromptLookup
-from specdec.rejection import NO_ALTERNATIVES
-from specdec.sampling import SamplingParams
+from specdec.core.prompt_lookup import LookupEvidence, PromptLookup
+from specdec.core.sampling import SamplingParams
+from specdec.core.stats import GenerationStats
+from specdec.core.tree_acceptance import NO_ALTERNATIVES
 from specdec.settings import default
-from specdec.stats import GenerationStats
 
 
 @dataclass

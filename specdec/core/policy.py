@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, runtime_checkable
 
-from specdec.interfaces import Proposal, Verification
+from specdec.core.interfaces import Proposal, Verification
 
 
 class LengthPolicy(Protocol):

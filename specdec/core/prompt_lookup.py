@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.acceptance import ChainAcceptance
-from specdec.history import TokenHistory
-from specdec.interfaces import Proposal
-from specdec.sampling import SamplingParams
+from specdec.core.acceptance import ChainAcceptance
+from specdec.core.history import TokenHistory
+from specdec.core.interfaces import Proposal
+from specdec.core.sampling import SamplingParams
+from specdec.core.stats import PROMPT_LOOKUP
 from specdec.settings import default
-from specdec.stats import PROMPT_LOOKUP
 
 # Most tokens one lookup proposes (0 = off): a hit's tokens cost one target row each and
 # no draft time.

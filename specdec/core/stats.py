@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Proposal.source: who proposed a round's tokens (here, not in specdec.interfaces, so that
+# Proposal.source: who proposed a round's tokens (here, not in specdec.core.interfaces, so that
 # telemetry can read them without importing torch).
 DRAFT_MODEL = "draft"
-PROMPT_LOOKUP = "prompt_lookup"  # specdec.prompt_lookup: copied from earlier text
+PROMPT_LOOKUP = "prompt_lookup"  # specdec.core.prompt_lookup: copied from earlier text
 
 
 @dataclass

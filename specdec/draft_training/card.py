@@ -150,7 +150,7 @@ def write_feature_model_card(out_dir: Path, work_dir: Path) -> None:
     lines = [
         "# specdec-feature-draft: a draft that reads SmolLM2-135M-Instruct's hidden states",
         "",
-        "An EAGLE-style draft (`specdec/feature_draft.py`), trained by `specdec "
+        "An EAGLE-style draft (`specdec/engine/feature_draft.py`), trained by `specdec "
         "train-feature-draft` on the target's own outputs and hidden states. Every figure "
         "below was written by that pipeline from its training summary and evaluation report.",
         "",

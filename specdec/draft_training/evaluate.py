@@ -13,13 +13,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from specdec.core.history import TokenHistory
+from specdec.core.loop import GenerateConfig, RoundEvent, generate
+from specdec.core.sampling import SamplingParams
 from specdec.draft_training.datagen import PROMPT_SETS, interleave_by_category
 from specdec.draft_training.prompts import split
-from specdec.history import TokenHistory
-from specdec.local import LocalDrafter, LocalVerifier
-from specdec.loop import GenerateConfig, RoundEvent, generate
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
+from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.runner import ModelRunner
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Train a feature draft (specdec.feature_draft) on the distillation shards.
+"""Train a feature draft (specdec.engine.feature_draft) on the distillation shards.
 
 Two stages on top of `datagen`'s shards: `hidden` runs the target once over every
 record (prompt + continuation) and stores its final-norm hidden states (float16, one file
@@ -26,7 +26,7 @@ from transformers import LlamaForCausalLM
 
 from specdec.draft_training.optimise import optimise
 from specdec.draft_training.train import Record, shard_paths
-from specdec.feature_draft import (
+from specdec.engine.feature_draft import (
     TARGET_HIDDEN_SCALE_KEY,
     TARGET_HIDDEN_SIZE_KEY,
     FeatureDraftForCausalLM,

@@ -49,7 +49,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specdec.shapes import DECODE_ROWS
+from specdec.engine.shapes import DECODE_ROWS
 
 NAME = "specdec_grouped_sdpa"
 ROWWISE_NAME = "specdec_rowwise_sdpa"

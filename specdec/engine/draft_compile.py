@@ -7,8 +7,8 @@ few C++ kernels, which makes the step faster where it is measured.
 
 Only the draft is compiled. Its kernels change how fast it proposes and which tokens it
 proposes, never the output law: the probabilities it reports come from the same logits
-it samples from. The target keeps its row-invariant kernels (specdec/attention.py,
-specdec/kernels.py), on which greedy equality in bfloat16 rests; inductor's generated
+it samples from. The target keeps its row-invariant kernels (specdec/engine/attention.py,
+specdec/engine/kernels.py), on which greedy equality in bfloat16 rests; inductor's generated
 kernels are not checked for that.
 
 Compiling is lazy, so `compile_draft` runs a session's decode-sized extends (a catch-up,
@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from specdec.kernels import OneDnnLinear
-from specdec.runner import ModelRunner
+from specdec.engine.kernels import OneDnnLinear
+from specdec.engine.runner import ModelRunner
+from specdec.engine.shapes import DECODE_ROWS
+from specdec.engine.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 from specdec.settings import COMPILE_CHOICES
-from specdec.shapes import DECODE_ROWS
-from specdec.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 
 log = logging.getLogger(__name__)
 

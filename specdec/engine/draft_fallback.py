@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import DEFAULT_DRAFT, DEFAULT_TARGET, model_cache_dir, resolve
+from specdec.engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, model_cache_dir, resolve
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ fastest differs between CPUs (with and without AMX, for instance), so
 `--draft-dtype auto` times each candidate's one-token step, interleaved, and keeps the
 fastest. Off the CPU it keeps --dtype. It measures as the draft loads: beside other
 processes starting on the same cores the choice can be off (it only costs speed); set a
-dtype to pin it. The cpu-tuned backend (specdec.backends) calls it.
+dtype to pin it. The cpu-tuned backend (specdec.engine.backends) calls it.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.draft_compile import OFF, CompileOutcome, compile_draft
-from specdec.kernels import resolve_kernel
-from specdec.models import LoadedModel, load_causal_lm, parse_dtype
-from specdec.runner import ModelRunner
-from specdec.timing import STEP_ROUNDS, fastest_step_s
+from specdec.engine.draft_compile import OFF, CompileOutcome, compile_draft
+from specdec.engine.kernels import resolve_kernel
+from specdec.engine.models import LoadedModel, parse_dtype
+from specdec.engine.runner import ModelRunner
+from specdec.engine.timing import STEP_ROUNDS, fastest_step_s
 
 AUTO = "auto"
 
@@ -80,23 +80,18 @@ def _nothing() -> None:
     pass
 
 
-def load_draft(name: str, device: torch.device, dtype_setting: str, linear_kernel: str, *,
-               shared_dtype: torch.dtype, attention_kernel: str,
-               target_vocab_size: int | None, progress: bool = False,
-               compile_setting: str = OFF) -> Choice:
+def load_draft(load: Callable[[Precision], LoadedModel], device: torch.device,
+               dtype_setting: str, linear_kernel: str, *, shared_dtype: torch.dtype,
+               target_vocab_size: int | None, compile_setting: str = OFF) -> Choice:
     """The draft in dtype_setting: a dtype, or "auto" for the fastest of `candidates`
     around the shared (target's) dtype, measured here; then compiled or not as
-    compile_setting says (specdec.draft_compile)."""
+    compile_setting says (specdec.engine.draft_compile). load: the backend's loader of
+    the draft in one precision."""
     if dtype_setting == AUTO:
         options = candidates(device, Precision(shared_dtype, linear_kernel))
     else:
         dtype = parse_dtype(dtype_setting)
         options = [Precision(dtype, resolve_kernel(linear_kernel, device, dtype))]
-
-    def load(option: Precision) -> LoadedModel:
-        return load_causal_lm(name, device, option.dtype, progress=progress,
-                              linear_kernel=option.linear_kernel,
-                              attention_kernel=attention_kernel)
 
     def runner_for(loaded: LoadedModel) -> ModelRunner:
         return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,

@@ -6,13 +6,13 @@ import time
 
 import torch
 
+from specdec.core.history import TokenHistory
+from specdec.core.interfaces import CacheMirror, Proposal, Verification, draft_hidden_rows
+from specdec.core.sampling import SamplingParams
+from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives
+from specdec.engine.runner import ModelRunner
+from specdec.engine.steps import SyncPoint, draft_step, verify_step
 from specdec.errors import CacheSyncError
-from specdec.history import TokenHistory
-from specdec.interfaces import CacheMirror, Proposal, Verification, draft_hidden_rows
-from specdec.rejection import NO_ALTERNATIVES, Alternatives
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.steps import SyncPoint, draft_step, verify_step
 
 
 class LocalDrafter:

@@ -30,8 +30,10 @@ DEFAULT_TARGET: str = default("target-model")
 DEFAULT_DRAFT: str = default("draft-model")
 FEATURE_DRAFT = "specdec-feature-draft"  # reads the target's hidden states (feature_draft.py)
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DRAFT_DIR = Path(__file__).parent / "assets" / "draft"
-_FEATURE_DRAFT_DIR = Path(__file__).parent / "assets" / "feature-draft"
+# The embedded drafts' weights ship inside the package, in specdec/assets/.
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+DRAFT_DIR = ASSETS_DIR / "draft"
+FEATURE_DRAFT_DIR = ASSETS_DIR / "feature-draft"
 # The GGUF records eos=<|im_end|> (id 2) but the converted tokenizer sets both bos and eos
 # to <|im_start|>; chat turns end with <|im_end|>, so generation must stop there.
 _SMOLLM2_EOS = "<|im_end|>"
@@ -145,8 +147,8 @@ def resolve(name_or_path: str, progress: bool = True) -> Path | str:
     """Map the embedded names to local dirs, check any other path or hub id exists."""
     if name_or_path in ("", DEFAULT_TARGET):
         return prepare_smollm2(progress)
-    embedded = {DEFAULT_DRAFT: (_DRAFT_DIR, "train-draft"),
-                FEATURE_DRAFT: (_FEATURE_DRAFT_DIR, "train-feature-draft")}
+    embedded = {DEFAULT_DRAFT: (DRAFT_DIR, "train-draft"),
+                FEATURE_DRAFT: (FEATURE_DRAFT_DIR, "train-feature-draft")}
     if name_or_path in embedded:
         directory, command = embedded[name_or_path]
         if not (directory / "config.json").exists():
@@ -238,7 +240,7 @@ def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,
 def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,
                     progress: bool = True) -> LoadedModel:
     """A causal LM for decoding with transformers' stock kernels; a backend
-    (specdec.backends) may then switch its kernels."""
+    (specdec.engine.backends) may then switch its kernels."""
     source = resolve(name_or_path, progress)
     model = _model_class(source).from_pretrained(source, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
@@ -257,21 +259,9 @@ def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,
                        row_invariance_caveat(device, dtype, "torch", "sdpa"))
 
 
-def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
-                   progress: bool = True, linear_kernel: str = "auto",
-                   attention_kernel: str = "auto") -> LoadedModel:
-    """Load a causal LM through the cpu-tuned backend with these kernels ("auto" resolves
-    to the stock kernels off the CPU)."""
-    from specdec.backends.cpu import CpuTunedBackend
-
-    backend = CpuTunedBackend(device, dtype, linear_kernel=linear_kernel,
-                              attention_kernel=attention_kernel)
-    return backend.load(name_or_path, progress=progress)
-
-
 def _model_class(source: Path | str) -> Any:
     """FeatureDraftForCausalLM for a feature draft (its config says so), else Auto."""
-    from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
+    from specdec.engine.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
 
     config_path = Path(source) / "config.json"
     if config_path.exists() and TARGET_HIDDEN_SIZE_KEY in json.loads(config_path.read_text()):

@@ -6,7 +6,7 @@ committed position and its fingerprint is checked before anything is computed.
 
 `extend_batch` serves many sessions per forward: every session's decode-sized rows are
 packed into one sequence, each at its own positions over its own cache (PackedBatch in
-specdec.attention). Under the row-invariant kernels (bfloat16 on CPU: oneDNN linears
+specdec.engine.attention). Under the row-invariant kernels (bfloat16 on CPU: oneDNN linears
 and rowwise attention) a row's logits are then the bits it gets when its session runs
 alone, up to the linear kernel's measured row cap (`max_invariant_rows`; larger batches
 are split into several forwards of whole sessions). Under the other kernels (float32,
@@ -35,46 +35,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdec.attention import PACKABLE, PACKING_KWARG, PackedBatch
+from specdec.engine.attention import PACKABLE, PACKING_KWARG, PackedBatch
+from specdec.engine.extend import ExtendRequest, ExtendResult, Session
+from specdec.engine.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
+from specdec.engine.shapes import DECODE_ROWS
+from specdec.engine.vocab import VocabAdapter
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
-from specdec.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
-from specdec.history import TokenHistory
-from specdec.shapes import DECODE_ROWS
-from specdec.vocab import VocabAdapter
-
-
-@dataclass
-class Session:
-    history: TokenHistory = field(default_factory=TokenHistory)
-    cache: DynamicCache | None = None
-    last_used: float = field(default_factory=time.monotonic)
-
-    def kv_bytes(self) -> int:
-        if self.cache is None:
-            return 0
-        total = 0
-        for layer in self.cache.layers:
-            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(tensor, torch.Tensor):
-                    total += tensor.numel() * tensor.element_size()
-        return total
-
-
-@dataclass(frozen=True)
-class ExtendRequest:
-    """One session's extend (the arguments of `ModelRunner.extend`)."""
-
-    session_id: str
-    committed_position: int
-    fingerprint: int
-    tokens: list[int]
-    num_logits: int = 1
-    hidden_rows: int = 0
-    target_hidden: torch.Tensor | None = None  # [len(tokens), target hidden]
-    # The last len(branch_parents) tokens are token-tree branches: each one's parent as
-    # an absolute cache slot (see ModelRunner.extend).
-    branch_parents: tuple[int, ...] = ()
-    prefill_length: int = 0  # at committed_position 0: the tokens to prefill in one piece
 
 
 @dataclass(frozen=True)
@@ -113,16 +79,6 @@ class _Job:
         return None if target_hidden is None else target_hidden[piece[0]:piece[1]]
 
 
-@dataclass(frozen=True)
-class ExtendResult:
-    logits: torch.Tensor  # [num_logits, usable_rows] fp32, model space
-    kv_length: int
-    forward_s: float  # the time of the forwards its rows ran in (shared ones in full)
-    tokens_processed: int
-    # [hidden_rows, hidden] final-norm outputs of the last hidden_rows tokens, if asked
-    hidden: torch.Tensor | None = None
-
-
 class ModelRunner:
     """Serialises forwards on one model; sessions are keyed by the caller's session id."""
 
@@ -131,7 +87,7 @@ class ModelRunner:
                  max_context: int | None = None,
                  row_invariance: tuple[bool, int | None] | None = None) -> None:
         """row_invariance: the backend's (row_invariant, max_invariant_rows) for this
-        model (LoadedModel's); None: asked from specdec.backends.row_invariance."""
+        model (LoadedModel's); None: asked from specdec.engine.backends.row_invariance."""
         self.model = model
         config = model.config
         self.device = next(model.parameters()).device
@@ -144,7 +100,7 @@ class ModelRunner:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.needs_target_hidden = is_feature_draft(model)
         if row_invariance is None:  # not stated by the caller: ask the backends' seam
-            from specdec.backends.row_invariance import row_invariance as facts
+            from specdec.engine.backends.row_invariance import row_invariance as facts
 
             row_invariance = facts(model)
         # Whether a row's result is independent of the forward it is in, and then the

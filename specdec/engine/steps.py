@@ -28,17 +28,17 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from specdec.errors import InvalidRequest, SpecdecError
-from specdec.history import (
+from specdec.core.history import (
     SyncPoint,  # noqa: F401  (re-exported for the services)
     extend_fingerprint,
 )
-from specdec.rejection import NO_ALTERNATIVES, Alternatives, Verdict, verify
-from specdec.runner import ExtendRequest, ExtendResult, ModelRunner
-from specdec.sampling import Purpose, SamplingParams, draw, process_logits
+from specdec.core.rejection import Verdict
+from specdec.core.sampling import Purpose, SamplingParams, draw, process_logits
+from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives, draw_siblings, verify
+from specdec.engine.runner import ExtendRequest, ExtendResult, ModelRunner
+from specdec.engine.shapes import DECODE_ROWS
+from specdec.errors import InvalidRequest, SpecdecError
 from specdec.settings import default
-from specdec.shapes import DECODE_ROWS
-from specdec.tree_acceptance import draw_siblings
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class DraftJob:
     for every node expanded there): at each depth the draft gives the nodes it expands up
     to num_alternatives branches in all, where its estimate that the target keeps them (the
     draft's probability of the path) is highest. A node's branches are drawn beside its
-    chain child without replacement (specdec.tree_acceptance.draw_siblings; greedy: its
+    chain child without replacement (specdec.core.tree_acceptance.draw_siblings; greedy: its
     next-best tokens), and how many a node gets is fixed before they are drawn, from the
     node's distribution and its path alone: the contract that keeps sampled trees exact.
     The most promising branches of a depth are expanded at the next one; their ancestors

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import torch
 
-from specdec.runner import ModelRunner
+from specdec.engine.runner import ModelRunner
 
 Key = TypeVar("Key", bound=Hashable)
 STEP_CONTEXT_TOKENS = 64

@@ -61,7 +61,7 @@ def check_pair(target_name: str, draft_name: str, target_tokenizer: Any | None,
     when it cannot be told (no tokenizer on either side)."""
     from transformers import AutoTokenizer
 
-    from specdec.models import ModelNotFound, resolve
+    from specdec.engine.models import ModelNotFound, resolve
 
     try:
         source = resolve(draft_name, progress=False)

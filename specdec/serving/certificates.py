@@ -1,15 +1,14 @@
-"""`specdec certs --out DIR [--hosts h1,h2]`: a development CA and its certificates.
+"""A development CA and its certificates (`specdec certs`, `specdec up --secure`).
 
-Writes ca.crt, server.crt / server.key (valid for localhost, 127.0.0.1, ::1 and the
-hosts given; draft, target and the coordinator's public port present it) and
+write_certs writes ca.crt, server.crt / server.key (valid for localhost, 127.0.0.1, ::1
+and the hosts given; draft, target and the coordinator's public port present it) and
 client.crt / client.key (the coordinator presents it to draft and target under mutual
-TLS). Key files are mode 0600. The CA's own key is not kept: to add a host, run it
+TLS). Key files are mode 0600. The CA's own key is not kept: to add a host, write them
 again. For production use certificates from your own CA (docs/security.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import ipaddress
 import os
@@ -18,16 +17,6 @@ from pathlib import Path
 VALID_DAYS = 365
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 FILES = ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "certs", help="write a development CA, a server and a client certificate")
-    parser.add_argument("--out", required=True, help="directory to write them to")
-    parser.add_argument("--hosts", default="",
-                        help="comma-separated extra names or addresses the server "
-                        "certificate is valid for (localhost and 127.0.0.1 always are)")
-    parser.set_defaults(func=run)
 
 
 def write_key_file(path: Path, data: bytes) -> None:
@@ -106,13 +95,3 @@ def write_certs(out: Path, hosts: list[str] | None = None) -> dict[str, Path]:
     write_key_file(paths["server.key"], server_key)
     write_key_file(paths["client.key"], client_key)
     return paths
-
-
-def run(args: argparse.Namespace) -> int:
-    hosts = [h for h in args.hosts.split(",") if h.strip()]
-    paths = write_certs(Path(args.out), hosts)
-    for path in paths.values():
-        print(path)
-    valid = ", ".join(dict.fromkeys([*DEFAULT_HOSTS, *hosts]))
-    print(f"server certificate valid for: {valid}; {VALID_DAYS} days")
-    return 0

@@ -22,8 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection as reflection_service
 
-from specdec.compute import MainThreadExecutor
-from specdec.security import DEFAULT_MAX_MESSAGE_MB, message_options, warn_if_exposed
+from specdec.serving.compute import MainThreadExecutor
+from specdec.serving.security import DEFAULT_MAX_MESSAGE_MB, message_options, warn_if_exposed
 from specdec.settings import default
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def build_server(services: Sequence[Service], *, host: str = "127.0.0.1", port: 
                  maximum_concurrent_rpcs: int | None = None) -> ServerHandle:
     """Create, bind and start a server; port 0 picks a free port (see handle.address).
 
-    credentials: TLS (specdec.security.server_credentials; client_auth says whether they
+    credentials: TLS (specdec.serving.security.server_credentials; client_auth says whether they
     require client certificates), None = plaintext. health_port: also serve the health
     service alone, in plaintext, on that port of the same host (probes that cannot speak
     TLS); it reports what the main port's health service reports.
@@ -177,7 +177,7 @@ def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0,
                        work: MainThreadExecutor | None = None) -> None:
     """Block until SIGINT/SIGTERM (or the server stops), then stop gracefully.
 
-    work: the main thread's queue of model work (specdec.compute); the main thread runs
+    work: the main thread's queue of model work (specdec.serving.compute); the main thread runs
     it while serving, and while the server drains, since in-flight calls wait on it."""
     work = work or MainThreadExecutor()  # nothing queued: the main thread only waits
     stop = threading.Event()

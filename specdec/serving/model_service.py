@@ -7,7 +7,7 @@ sessions nobody released: a coordinator that crashed mid-generation must not pin
 memory forever. ModelRunner itself only knows LRU eviction under its byte budget.
 
 `BatchScheduler` runs the calls of different sessions together (continuous batching):
-every call is a job of forward steps (specdec.steps); the calls waiting when a forward
+every call is a job of forward steps (specdec.engine.steps); the calls waiting when a forward
 ends join the next one, which takes one step of every running job, so a Verify is one
 forward shared with the other sessions' Verify calls and a Propose's draft steps go in
 lockstep with the other proposals still drafting. A job leaves when it ends (its length
@@ -29,7 +29,7 @@ comes shares the forward instead of waiting a whole one, one that does not costs
 others at most that wait.
 
 Model work runs on one thread per process, whichever gRPC worker received the call:
-under `specdec serve` the main thread (specdec.compute), elsewhere a compute thread of
+under `specdec serve` the main thread (specdec.serving.compute), elsewhere a compute thread of
 the table's own. OpenMP keeps a thread team per calling thread, so one thread reuses one
 team; forwards never run side by side, which on a CPU they could only do by splitting the
 same cores.
@@ -52,15 +52,15 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import grpc
 import torch
 
+from specdec.engine.models import LoadedModel, resolve
+from specdec.engine.runner import ModelRunner
+from specdec.engine.shapes import DECODE_ROWS
+from specdec.engine.steps import Job, step_jobs
 from specdec.errors import ServiceUnavailable, SpecdecError
-from specdec.grpc_server import ServerHandle, Service, build_server
-from specdec.models import LoadedModel, load_causal_lm, resolve
 from specdec.proto.specdec.v1 import common_pb2
-from specdec.runner import ModelRunner
-from specdec.security import check_session_cap
+from specdec.serving.grpc_server import ServerHandle, Service, build_server
+from specdec.serving.security import check_session_cap
 from specdec.settings import default
-from specdec.shapes import DECODE_ROWS
-from specdec.steps import Job, step_jobs
 
 DEFAULT_MAX_BATCH_SESSIONS: int = default("max-batch-sessions")
 DEFAULT_MAX_BATCH_ROWS: int = default("max-batch-rows")
@@ -483,6 +483,9 @@ def model_info(name_or_path: str) -> ModelInfo:
 def load_runner(model: str, *, device: torch.device, dtype: torch.dtype,
                 kv_budget_mb: int | None = None, linear_kernel: str = "auto",
                 attention_kernel: str = "auto") -> ModelRunner:
+    # The backends are the seam to the hardware: loaded here only, not at import.
+    from specdec.engine.backends.cpu import load_causal_lm
+
     loaded = load_causal_lm(model, device, dtype, progress=False, linear_kernel=linear_kernel,
                             attention_kernel=attention_kernel)
     log.info("loaded %s: %s", model, loaded.precision)
@@ -513,7 +516,7 @@ def start_model_server(servicer: ModelServicer, args: argparse.Namespace,
     """Serve a draft or target servicer: interceptors, session reaper, flush on stop."""
     if telemetry is not None:  # tracing outermost: its span covers the other interceptors
         interceptors = [*telemetry.server_interceptors(), *interceptors]
-    from specdec.security import SecuritySettings, server_options
+    from specdec.serving.security import SecuritySettings, server_options
 
     secure = server_options(args, role="model")
     handle = build_server([servicer.service()], host=args.host, port=args.port,

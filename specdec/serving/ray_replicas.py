@@ -65,8 +65,8 @@ class ServiceReplica:
 
         import ray
 
-        from specdec.commands.serve import serve_parser
-        from specdec.compute import on_own_compute_thread
+        from specdec.config import serve_parser
+        from specdec.serving.compute import on_own_compute_thread
         from specdec.telemetry.service import Telemetry
 
         logging.basicConfig(level=logging.INFO,
@@ -79,7 +79,7 @@ class ServiceReplica:
         module = importlib.import_module(f"{role}_service.server")
         # Ray's task loop holds the actor's main thread, so the forwards cannot run there
         # as under `specdec serve`; loading on the thread that runs them keeps the process
-        # at one OpenMP pool all the same (specdec/compute.py).
+        # at one OpenMP pool all the same (specdec/serving/compute.py).
         self.handle = on_own_compute_thread(
             lambda compute: module.create(args, telemetry=self.telemetry, executor=compute))
         context = ray.get_runtime_context()

@@ -552,7 +552,7 @@ def secure_stack_env(directory: Path) -> tuple[dict[str, str], str]:
     SPECDEC_* environment, and the key (generated here, written 0600)."""
     import secrets
 
-    from specdec.commands.certs import write_certs, write_key_file
+    from specdec.serving.certificates import write_certs, write_key_file
 
     paths = write_certs(directory)
     api_key = secrets.token_urlsafe(32)

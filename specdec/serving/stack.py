@@ -26,7 +26,7 @@ from typing import IO
 
 import grpc
 
-from specdec.security import SecuritySettings, channel_credentials
+from specdec.serving.security import SecuritySettings, channel_credentials
 
 # The draft and target share the host's cores: OpenMP threads wait passively with a
 # short spin, which covers the gaps inside one forward without an idle service's threads
@@ -203,7 +203,7 @@ class Stack:
                 return False
             if pid != proc.pid:
                 return False
-        from specdec.grpc_server import check_health
+        from specdec.serving.grpc_server import check_health
 
         return check_health(self.endpoint(role), credentials=self.credentials)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdec.core.sampling import SamplingParams
+from specdec.core.tree_acceptance import Alternatives
+from specdec.engine.steps import SyncPoint
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import common_pb2
-from specdec.rejection import Alternatives
-from specdec.sampling import SamplingParams
-from specdec.steps import SyncPoint
 
 _F32 = np.dtype("<f4")
 _F16 = np.dtype("<f2")

@@ -7,7 +7,7 @@ Counters (coordinator), as vLLM defines them:
 - specdec_num_accepted_tokens_per_pos_total{position}: acceptances at draft index
   `position` (0-based), so acceptance by position is per_pos[i] / num_drafts.
 - specdec_num_lookup_draft_tokens_total / specdec_num_lookup_accepted_tokens_total: prompt
-  lookup's part of the two token counters (specdec.prompt_lookup).
+  lookup's part of the two token counters (specdec.core.prompt_lookup).
 Mean acceptance length = 1 + accepted / drafts (the +1 is the correction or bonus token).
 They are counted per round as rounds end, so they move during long requests and sum to
 exactly the GenerationStats a response reports.
@@ -32,10 +32,10 @@ from prometheus_client import (
     start_http_server,
 )
 
-from specdec.stats import PROMPT_LOOKUP
+from specdec.core.stats import PROMPT_LOOKUP
 
 if TYPE_CHECKING:  # the loop pulls in torch; `specdec traces` should not need it
-    from specdec.loop import GenerationResult, RoundEvent
+    from specdec.core.loop import GenerationResult, RoundEvent
 
 
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -207,7 +207,7 @@ class ModelServiceMetrics:
                                      registry=registry)
         self.kv_cache_bytes = Gauge("specdec_kv_cache_bytes", "Bytes held by KV caches",
                                     registry=registry)
-        # Continuous batching (specdec.model_service.BatchScheduler).
+        # Continuous batching (specdec.serving.model_service.BatchScheduler).
         self.batch_sessions = Histogram("specdec_batch_sessions",
                                         "Sessions whose rows shared one forward",
                                         buckets=_BATCH_BUCKETS, registry=registry)

@@ -11,7 +11,7 @@ GENERATE_SPAN = "specdec.generate"  # one per request, in the coordinator
 ROUND_SPAN = "specdec.round"  # one per speculative round, child of the request span
 PROPOSE_STEP_SPAN = "specdec.propose"  # in-process runs only (gRPC runs get client spans)
 VERIFY_STEP_SPAN = "specdec.verify"
-REJECTION_EVENT = "specdec.rejection"
+REJECTION_EVENT = "specdec.core.rejection"
 
 # Resource attribute naming the role, so files join even under a custom service.name.
 ROLE = "specdec.role"
@@ -90,7 +90,7 @@ TOKENS_PROCESSED = "specdec.tokens_processed"
 KV_LENGTH = "specdec.kv_length"
 COMMITTED_POSITION = "specdec.committed_position"
 CATCH_UP_TOKENS = "specdec.catch_up_tokens"  # committed tokens the service lacked
-# The batch a Propose/Verify ran in (specdec.model_service.BatchInfo).
+# The batch a Propose/Verify ran in (specdec.serving.model_service.BatchInfo).
 BATCH_SESSIONS = "specdec.batch.sessions"
 BATCH_ROWS = "specdec.batch.rows"
 QUEUE_WAIT_MS = "specdec.batch.queue_wait_ms"

@@ -8,8 +8,8 @@ from types import TracebackType
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from specdec.interfaces import Drafter, Verifier
-from specdec.loop import GenerateConfig, GenerationResult, RoundEvent
+from specdec.core.interfaces import Drafter, Verifier
+from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent
 from specdec.telemetry import names as n
 from specdec.telemetry.metrics import ModelServiceMetrics, RequestRecorder
 from specdec.telemetry.round_tracer import RequestTracer

@@ -21,15 +21,15 @@ from opentelemetry import context, trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
-from specdec.history import TokenHistory
-from specdec.interfaces import Drafter, ForwardBatch, Proposal, Verification, Verifier
-from specdec.loop import GenerateConfig, GenerationResult, RoundEvent
-from specdec.rejection import NO_ALTERNATIVES, Alternatives
-from specdec.sampling import SamplingParams
+from specdec.core.history import TokenHistory
+from specdec.core.interfaces import Drafter, ForwardBatch, Proposal, Verification, Verifier
+from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent
+from specdec.core.sampling import SamplingParams
+from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives
 from specdec.telemetry import names as n
 
 if TYPE_CHECKING:
-    from specdec.adaptive import AdaptiveLength
+    from specdec.core.adaptive import AdaptiveLength
 
 
 def trace_id_hex(span: Span) -> str:
@@ -170,7 +170,7 @@ def request_attributes(result: GenerationResult) -> dict[str, AttributeValue]:
 
 
 class RequestTracer:
-    """Context manager around one call of specdec.loop.generate."""
+    """Context manager around one call of specdec.core.loop.generate."""
 
     def __init__(self, tracer: Tracer, *, request_id: str = "", prompt_tokens: int = 0,
                  config: GenerateConfig | None = None, step_spans: bool = False,

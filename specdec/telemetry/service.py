@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry
 
-from specdec.loop import GenerateConfig
+from specdec.core.loop import GenerateConfig
 from specdec.telemetry import names, propagation, tracing
 from specdec.telemetry.metrics import (
     CoordinatorMetrics,
@@ -135,7 +135,7 @@ class Telemetry:
                     committed_position: int, catch_up_tokens: int, batch: Any = None,
                     attributes: Mapping[str, AttributeValue] | None = None) -> None:
         """Inside a Propose/Verify handler: annotate its server span, feed the metrics.
-        batch: the call's specdec.model_service.BatchInfo (the forward it ran in)."""
+        batch: the call's specdec.serving.model_service.BatchInfo (the forward it ran in)."""
         if batch is not None:
             attributes = {names.BATCH_SESSIONS: batch.sessions, names.BATCH_ROWS: batch.rows,
                           names.QUEUE_WAIT_MS: round(batch.queue_wait_s * 1000.0, 3),

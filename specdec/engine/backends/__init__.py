@@ -4,7 +4,7 @@ The cpu-tuned backend owns what is specific to CPUs: the row-invariant linear an
 attention kernels, the draft's precision and compile choice measured at load, and the
 OpenMP thread count. The torch backend (CUDA and anything else) loads models with
 transformers' stock kernels. The rest of the system reads what it needs as plain facts
-on the loaded model (LoadedModel.row_invariance, from specdec.backends.row_invariance),
+on the loaded model (LoadedModel.row_invariance, from specdec.engine.backends.row_invariance),
 so a new backend slots in here without touching the runner, the steps or the servicers.
 
 `--backend auto` (SPECDEC_BACKEND) picks cpu-tuned on a CPU and torch elsewhere; the
@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from specdec.backends.base import Backend, DraftChoice
-from specdec.backends.cpu import CpuTunedBackend
-from specdec.backends.stock import TorchBackend
-from specdec.models import parse_device, parse_dtype
+from specdec.engine.backends.base import Backend, DraftChoice
+from specdec.engine.backends.cpu import CpuTunedBackend, load_causal_lm
+from specdec.engine.backends.stock import TorchBackend
+from specdec.engine.models import parse_device, parse_dtype
 from specdec.settings import BACKENDS, default
 
 __all__ = ["Backend", "CpuTunedBackend", "DraftChoice", "TorchBackend", "backend_name",
-           "select_backend"]
+           "load_causal_lm", "select_backend"]
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from specdec.draft_precision import Choice as DraftChoice
-from specdec.models import LoadedModel
+from specdec.engine.draft_precision import Choice as DraftChoice
+from specdec.engine.models import LoadedModel
 
 __all__ = ["Backend", "DraftChoice"]
 

@@ -2,10 +2,11 @@
 measured at load, and the OpenMP thread count.
 
 On a CPU the target in bfloat16 runs its linear layers with oneDNN and its attention
-row by row (specdec.kernels, specdec.attention): a verified row then computes exactly
+row by row (specdec.engine.kernels, specdec.engine.attention): a verified row then computes exactly
 what a one-row decode would, which greedy equality with the target's own decoding rests
 on. The draft's precision and compilation change only its speed and acceptance, never
-the output, so they follow the hardware (specdec.draft_precision, specdec.draft_compile).
+the output, so they follow the hardware (specdec.engine.draft_precision,
+specdec.engine.draft_compile).
 Off the CPU every "auto" resolves to transformers' stock kernels.
 """
 
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.backends.base import Backend, DraftChoice
-from specdec.backends.row_invariance import row_invariance
-from specdec.models import LoadedModel, load_pretrained, row_invariance_caveat
+from specdec.engine.backends.base import Backend, DraftChoice
+from specdec.engine.backends.row_invariance import row_invariance
+from specdec.engine.draft_precision import Precision, load_draft
+from specdec.engine.models import LoadedModel, load_pretrained, row_invariance_caveat
 
 
 class CpuTunedBackend(Backend):
@@ -38,8 +40,8 @@ class CpuTunedBackend(Backend):
             torch.set_num_threads(self.torch_threads)
 
     def load(self, name_or_path: str, *, progress: bool = False) -> LoadedModel:
-        from specdec.attention import apply_attention_kernel
-        from specdec.kernels import apply_linear_kernel
+        from specdec.engine.attention import apply_attention_kernel
+        from specdec.engine.kernels import apply_linear_kernel
 
         loaded = load_pretrained(name_or_path, self.device, self.dtype, progress)
         linear = apply_linear_kernel(loaded.model, self.linear_kernel)
@@ -53,15 +55,26 @@ class CpuTunedBackend(Backend):
 
     def load_draft(self, name_or_path: str, *, target_vocab_size: int | None,
                    progress: bool = False) -> DraftChoice:
-        from specdec.draft_precision import load_draft
+        def load(option: Precision) -> LoadedModel:
+            return load_causal_lm(name_or_path, self.device, option.dtype, progress=progress,
+                                  linear_kernel=option.linear_kernel,
+                                  attention_kernel=self.attention_kernel)
 
-        return load_draft(name_or_path, self.device, self.draft_dtype,
-                          self.draft_linear_kernel, shared_dtype=self.dtype,
-                          attention_kernel=self.attention_kernel,
-                          target_vocab_size=target_vocab_size, progress=progress,
+        return load_draft(load, self.device, self.draft_dtype, self.draft_linear_kernel,
+                          shared_dtype=self.dtype, target_vocab_size=target_vocab_size,
                           compile_setting=self.draft_compile)
 
     def describe(self) -> str:
         return (f"{super().describe()}, linear {self.linear_kernel}, attention "
                 f"{self.attention_kernel}, draft {self.draft_dtype}/{self.draft_linear_kernel}"
                 f", draft compile {self.draft_compile}")
+
+
+def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
+                   progress: bool = True, linear_kernel: str = "auto",
+                   attention_kernel: str = "auto") -> LoadedModel:
+    """Load a causal LM through the cpu-tuned backend with these kernels ("auto" resolves
+    to the stock kernels off the CPU)."""
+    backend = CpuTunedBackend(device, dtype, linear_kernel=linear_kernel,
+                              attention_kernel=attention_kernel)
+    return backend.load(name_or_path, progress=progress)

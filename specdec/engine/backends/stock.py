@@ -3,9 +3,9 @@ device without a tuned backend)."""
 
 from __future__ import annotations
 
-from specdec.backends.base import Backend, DraftChoice
-from specdec.draft_precision import Precision
-from specdec.models import LoadedModel, load_pretrained
+from specdec.engine.backends.base import Backend, DraftChoice
+from specdec.engine.draft_precision import Precision
+from specdec.engine.models import LoadedModel, load_pretrained
 
 
 class TorchBackend(Backend):

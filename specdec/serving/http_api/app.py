@@ -31,10 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specdec.http_api.parsing import ApiError, ParsedRequest, parse
-from specdec.models import DEFAULT_TARGET
+from specdec.engine.models import DEFAULT_TARGET
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specdec.security import (
+from specdec.serving.http_api.parsing import ApiError, ParsedRequest, parse
+from specdec.serving.security import (
     SecuritySettings,
     caller_settings,
     channel_credentials,

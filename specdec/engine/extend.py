@@ -1,0 +1,55 @@
+"""What ModelRunner.extend takes and gives, and the state it keeps per session."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from specdec.core.history import TokenHistory
+
+
+@dataclass
+class Session:
+    history: TokenHistory = field(default_factory=TokenHistory)
+    cache: DynamicCache | None = None
+    last_used: float = field(default_factory=time.monotonic)
+
+    def kv_bytes(self) -> int:
+        if self.cache is None:
+            return 0
+        total = 0
+        for layer in self.cache.layers:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+
+@dataclass(frozen=True)
+class ExtendRequest:
+    """One session's extend (the arguments of `ModelRunner.extend`)."""
+
+    session_id: str
+    committed_position: int
+    fingerprint: int
+    tokens: list[int]
+    num_logits: int = 1
+    hidden_rows: int = 0
+    target_hidden: torch.Tensor | None = None  # [len(tokens), target hidden]
+    # The last len(branch_parents) tokens are token-tree branches: each one's parent as
+    # an absolute cache slot (see ModelRunner.extend).
+    branch_parents: tuple[int, ...] = ()
+    prefill_length: int = 0  # at committed_position 0: the tokens to prefill in one piece
+
+
+@dataclass(frozen=True)
+class ExtendResult:
+    logits: torch.Tensor  # [num_logits, usable_rows] fp32, model space
+    kv_length: int
+    forward_s: float  # the time of the forwards its rows ran in (shared ones in full)
+    tokens_processed: int
+    # [hidden_rows, hidden] final-norm outputs of the last hidden_rows tokens, if asked
+    hidden: torch.Tensor | None = None
