@@ -77,6 +77,8 @@ BACKENDS = ("auto", "cpu-tuned", "torch")
 LINEAR_KERNELS = ("auto", "torch", "skinny", "onednn")
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 COMPILE_CHOICES = ("auto", "on", "off")
+# SpeculationParams.method: where a round's proposals come from (coordinator.validation).
+SPECULATION_METHODS = ("auto", "draft", "suffix", "lookup", "none")
 DEFAULT_PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
 DEFAULT_METRICS_PORTS = {"coordinator": 9464, "draft": 9465, "target": 9466}
 
@@ -158,6 +160,31 @@ _ALL = (
             type=int),
     Setting("prompt-lookup-max", 4, "longest n-gram prompt lookup matches (tried first)",
             SPECULATION, type=int),
+    # Suffix decoding (specdec.core.suffix_cache): vLLM's suffix_decoding_* knobs.
+    Setting("suffix-max-tokens", 16,
+            "coordinator: most tokens (token-tree nodes) a suffix-decoding round proposes "
+            "from text already seen, this request's and earlier responses' (0 = off)",
+            SPECULATION, type=int),
+    Setting("suffix-max-tree-depth", 24,
+            "coordinator: longest substring the suffix trees hold: matched text plus "
+            "proposed continuation", SPECULATION, type=int, advanced=True),
+    Setting("suffix-max-cached-requests", 10000,
+            "coordinator: earlier responses the global suffix tree holds, oldest evicted "
+            "first (0 = this request's text only)", SPECULATION, type=int),
+    Setting("suffix-cache-mb", 512,
+            "coordinator: memory of the global suffix tree (MiB); past it the oldest "
+            "responses are evicted", SPECULATION, type=int),
+    Setting("suffix-max-spec-factor", 1.0,
+            "coordinator: a suffix round proposes at most this many tokens per matched "
+            "token", SPECULATION, type=float, advanced=True),
+    Setting("suffix-min-token-prob", 0.1,
+            "coordinator: a suffix round proposes only continuations whose estimated "
+            "probability (their frequency after the matched text) is at least this",
+            SPECULATION, type=float, advanced=True),
+    Setting("suffix-share-tenants", "off",
+            "coordinator: on = every API key's requests speculate from every key's earlier "
+            "responses; off = each key's only from its own", SPECULATION,
+            choices=("on", "off")),
     # limits and timeouts
     Setting("max-new-tokens-limit", 2048, "largest max_new_tokens a request may ask for",
             LIMITS, type=int),
@@ -259,7 +286,10 @@ MODEL_SETTINGS = ("target-model", "draft-model", "device", "dtype", "backend", "
 SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-tokens",
                     "num-draft-tokens", "draft-confidence",
                     "draft-alternatives", "prompt-lookup-tokens", "prompt-lookup-min",
-                    "prompt-lookup-max", "max-new-tokens-limit", "draft-timeout-ms",
+                    "prompt-lookup-max", "suffix-max-tokens", "suffix-max-tree-depth",
+                    "suffix-max-cached-requests", "suffix-cache-mb", "suffix-max-spec-factor",
+                    "suffix-min-token-prob", "suffix-share-tenants",
+                    "max-new-tokens-limit", "draft-timeout-ms",
                     "target-timeout-s", "grace-s", "max-batch-sessions",
                     "max-batch-rows", "max-batch-prefills",
                     "max-concurrent-requests", "max-queued-requests")

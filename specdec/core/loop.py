@@ -27,6 +27,8 @@ from specdec.core.policy import (
 from specdec.core.prompt_lookup import LookupEvidence, PromptLookup
 from specdec.core.sampling import SamplingParams
 from specdec.core.stats import GenerationStats
+from specdec.core.suffix_cache import SuffixDraft
+from specdec.core.suffix_proposer import SuffixEvidence, SuffixProposer
 from specdec.core.tree_acceptance import NO_ALTERNATIVES
 from specdec.settings import default
 
@@ -42,8 +44,10 @@ class GenerateConfig:
     # at most this many levels below it (1 = each follows a chain token; 0 = no limit).
     num_alternatives: int = 0
     max_alternative_depth: int = 0
-    # Tried before the draft each round; a hit replaces the draft's proposal (None = off).
+    # Model-free proposers, tried before the draft each round; the hit expected to emit
+    # tokens fastest replaces the draft's proposal (None = off).
     prompt_lookup: PromptLookup | None = None
+    suffix: SuffixProposer | None = None
     eos_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     session_id: str = ""
@@ -56,7 +60,7 @@ class RoundEvent:
     index: int
     position_before: int
     position_after: int
-    asked: int  # of the draft model (0 in a prompt-lookup round)
+    asked: int  # of the draft model (0 in a model-free round: lookup, suffix)
     proposal: Proposal | None  # proposal.source says whose
     accepted_len: int  # draft tokens kept: the chain's, and a kept alternative
     emitted: list[int]
@@ -109,20 +113,47 @@ def _draft_inputs_ready(committed: TokenHistory) -> bool:
     return log is None or len(log) >= len(committed) - 1
 
 
-def _lookup_to_use(found: Proposal, evidence: LookupEvidence, policy: LengthPolicy,
-                   asked: int) -> Proposal | None:
+@dataclass(frozen=True)
+class _Offer:
+    """A model-free proposal and what it promises: expected tokens per second where the
+    policy prices rounds, else expected tokens per round."""
+
+    proposal: Proposal
+    value: float
+
+
+def _lookup_offer(found: Proposal, evidence: LookupEvidence,
+                  policy: LengthPolicy, asked: int) -> _Offer | None:
     """The lookup hit, cut to its best length, or None when the draft's round (or, with
     the draft off, a target-only round) is expected to emit tokens faster."""
     if not isinstance(policy, CostedPolicy):
-        return found
+        return _Offer(found, evidence.expected_tokens(len(found.tokens)))
     keep = evidence.tokens_to_use(len(found.tokens), policy.undrafted_round_seconds,
                                   policy.rate(asked))
     if keep == 0:
         return None
+    seconds = policy.undrafted_round_seconds(keep)
+    expected = evidence.expected_tokens(keep)
+    value = expected / seconds if seconds else expected
     if keep == len(found.tokens):
-        return found
-    return dataclasses.replace(found, tokens=found.tokens[:keep],
-                               probs=found.probs[:keep] if found.probs is not None else None)
+        return _Offer(found, value)
+    return _Offer(dataclasses.replace(
+        found, tokens=found.tokens[:keep],
+        probs=found.probs[:keep] if found.probs is not None else None), value)
+
+
+def _suffix_offer(draft: SuffixDraft, suffix: SuffixProposer, evidence: SuffixEvidence,
+                  policy: LengthPolicy, asked: int, params: SamplingParams) -> _Offer | None:
+    """The suffix draft, cut to its best node count (a prefix of its best-first order is
+    a tree), or None when the draft's round is expected to emit tokens faster."""
+    if not isinstance(policy, CostedPolicy):
+        return _Offer(suffix.proposal(draft, params), evidence.expected_tokens(draft, len(draft)))
+    nodes, rate = evidence.nodes_to_use(draft, policy.undrafted_round_seconds,
+                                        policy.rate(asked))
+    if nodes == 0:
+        return None
+    value = rate if rate is not None else evidence.expected_tokens(draft, nodes)
+    return _Offer(suffix.proposal(draft.cut(nodes), params), value)
 
 
 @dataclass
@@ -141,6 +172,7 @@ class _Generation:
     prompt_len: int
     num_alternatives: int
     lookup_evidence: LookupEvidence | None
+    suffix_evidence: SuffixEvidence | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str = "length"
@@ -158,15 +190,28 @@ class _Generation:
             return 0
         return asked
 
-    def look_up(self, asked: int) -> tuple[Proposal | None, Proposal | None]:
-        """(the lookup's hit, the part of it to verify instead of drafting; None: draft)."""
-        lookup = self.config.prompt_lookup
-        if lookup is None or self.lookup_evidence is None or self.remaining <= 1:
-            return None, None
-        found = lookup.propose(self.committed, self.remaining - 1, self.params)
-        if found is None:
-            return None, None
-        return found, _lookup_to_use(found, self.lookup_evidence, self.policy, asked)
+    def look_up(self, asked: int) -> tuple[Proposal | None, SuffixDraft | None,
+                                           Proposal | None]:
+        """(the lookup's hit, the suffix cache's draft, the proposal to verify instead of
+        drafting: whichever model-free one promises most, if it beats the draft's round;
+        None: draft)."""
+        if self.remaining <= 1:
+            return None, None, None
+        offers: list[_Offer] = []
+        lookup, found = self.config.prompt_lookup, None
+        if lookup is not None and self.lookup_evidence is not None:
+            found = lookup.propose(self.committed, self.remaining - 1, self.params)
+            offer = (_lookup_offer(found, self.lookup_evidence, self.policy, asked)
+                     if found is not None else None)
+            offers += [offer] if offer is not None else []
+        suffix, drafted = self.config.suffix, None
+        if suffix is not None and self.suffix_evidence is not None:
+            drafted = suffix.draft(self.committed, self.remaining - 1)
+            offer = (_suffix_offer(drafted, suffix, self.suffix_evidence, self.policy, asked,
+                                   self.params) if drafted is not None else None)
+            offers += [offer] if offer is not None else []
+        best = max(offers, key=lambda offer: offer.value, default=None)
+        return found, drafted, best.proposal if best is not None else None
 
     def draft(self, asked: int) -> Proposal | None:
         """The draft model's proposal, or None: nothing asked, or the draft is backing off
@@ -263,7 +308,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
              backoff: DraftBackoff | None = None) -> GenerationResult:
     """Speculative decoding of prompt_ids until max_new_tokens, an EOS or a stop string.
 
-    Each round proposes tokens (a prompt-lookup hit, else the draft model, else none),
+    Each round proposes tokens (a prompt-lookup hit or a suffix-cache draft, whichever
+    promises most, else the draft model, else none),
     verifies them in one target pass, and commits the accepted tokens plus one of the
     target's: the recovered token at the first rejection, or the bonus token after a
     fully accepted proposal.
@@ -272,7 +318,7 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
     try:
         while gen.remaining > 0:
             asked = gen.draft_length()
-            found, proposal = gen.look_up(asked)
+            found, drafted, proposal = gen.look_up(asked)
             looked_up = proposal is not None  # the draft model sits this round out
             if not looked_up:
                 proposal = gen.draft(asked)
@@ -282,6 +328,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             emitted = gen.commit(verification.emitted(draft_tokens))
             if found is not None and gen.lookup_evidence is not None:
                 gen.lookup_evidence.observe(found.tokens, emitted)
+            if drafted is not None and gen.suffix_evidence is not None:
+                gen.suffix_evidence.observe(drafted, emitted)
             gen.record(proposal, verification)
             if not looked_up:  # the policy's evidence and costs are the draft model's
                 gen.policy.observe(asked if proposal else 0, verification.accepted_tokens,
@@ -299,7 +347,10 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
                 break
     finally:
         gen.release()
-    return gen.result(decode)
+    result = gen.result(decode)
+    if config.suffix is not None:
+        config.suffix.finish(result.token_ids)
+    return result
 
 
 def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int],
@@ -320,4 +371,5 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
         prompt_len=len(committed),
         num_alternatives=config.num_alternatives,
         lookup_evidence=(LookupEvidence(config.prompt_lookup.max_tokens)
-                         if config.prompt_lookup is not None else None))
+                         if config.prompt_lookup is not None else None),
+        suffix_evidence=SuffixEvidence() if config.suffix is not None else None)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 # telemetry can read them without importing torch).
 DRAFT_MODEL = "draft"
 PROMPT_LOOKUP = "prompt_lookup"  # specdec.core.prompt_lookup: copied from earlier text
+SUFFIX = "suffix"  # specdec.core.suffix_proposer: what followed the same text before
+SOURCES = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX)
 
 
 @dataclass
@@ -23,6 +25,10 @@ class GenerationStats:
     lookup_drafts: int = 0
     lookup_draft_tokens: int = 0
     lookup_accepted_tokens: int = 0
+    # Suffix decoding's part of them.
+    suffix_drafts: int = 0
+    suffix_draft_tokens: int = 0
+    suffix_accepted_tokens: int = 0
     resyncs: int = 0
     degraded: bool = False
     draft_s: float = 0.0  # time the loop waited on Propose
@@ -44,6 +50,10 @@ class GenerationStats:
             self.lookup_drafts += 1
             self.lookup_draft_tokens += num_drafted
             self.lookup_accepted_tokens += accepted_len
+        elif source == SUFFIX:
+            self.suffix_drafts += 1
+            self.suffix_draft_tokens += num_drafted
+            self.suffix_accepted_tokens += accepted_len
         self.alternatives += alternatives
         self.kept_alternatives += kept_alternatives
         self.num_drafts += 1

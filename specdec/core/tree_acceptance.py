@@ -31,6 +31,17 @@ current residual, the step before it emits q_r(x) min(1, p(x)/q_r(x)) +
 (1 - sum_y min(q_r(y), p(y))) norm(max(0, p - q_r))(x) = p(x). An accepted child then
 emits its own target row, the target's law given the tokens before it.
 
+**Deterministic nodes.** A proposer that chooses a node's children without drawing them
+(prompt lookup, the suffix cache) gives the node a q row that is one-hot at its first
+child. Every child x_r of such a node is a point mass: q_r = delta(x_r), so x_r is
+accepted with probability min(1, p(x_r)) = p(x_r) and on rejection p becomes
+norm(max(0, p - delta(x_r))), which is p with x_r removed and renormalised. The induction
+above holds unchanged with q_r = delta(x_r): delta(x_r)(x) min(1, p(x)) + (1 - p(x_r))
+norm(p without x_r)(x) = p(x), so such a node emits its target row exactly too, whatever
+children the proposer chose, since none of them was drawn at the node. Rank 0 is the
+chain's test with the row as given. A one-hot row at a node with several children can
+only mean this: a drawn node's siblings have q > 0, and a one-hot q has room for one.
+
 **The drafter's contract.** This holds only when the number of children a node gets is
 fixed before its children are drawn: it may depend on the node's q and on anything drawn
 at smaller depths, never on the values of its own children, and every drawn child is kept
@@ -170,13 +181,20 @@ def _build_tree(draft_tokens: torch.Tensor, branch_tokens: Sequence[int],
     return _Tree(k, tokens, children, draft_row)
 
 
+def is_point_mass(row: torch.Tensor, token: int) -> bool:
+    """Whether q row puts all its mass on token: a deterministic node's row."""
+    return float(row[token]) == 1.0 and float(row.sum()) == 1.0
+
+
 def _check_sampled_siblings(tree: _Tree, draft_probs: torch.Tensor) -> None:
     """Every sampled child must be drawable: siblings distinct (drawn without replacement)
-    and q(x) > 0. Then q_r(x_r) > 0 and q_r has mass for every rank r."""
+    and q(x) > 0, so q_r(x_r) > 0 and q_r has mass for every rank r; or, at a
+    deterministic node (a row one-hot at its first child), siblings distinct."""
     for index, kids in enumerate(tree.children):
         if not kids:
             continue
         row = draft_probs[tree.draft_row[index]]
+        deterministic = is_point_mass(row, tree.tokens[kids[0] + 1])
         seen: set[int] = set()
         for rank, child in enumerate(kids):
             token = tree.tokens[child + 1]
@@ -184,7 +202,7 @@ def _check_sampled_siblings(tree: _Tree, draft_probs: torch.Tensor) -> None:
                 raise ValueError(f"node {child} (rank {rank} under node {index - 1}): token "
                                  f"{token} repeats an earlier sibling, so q_r({token}) = 0 "
                                  "(siblings are drawn without replacement)")
-            if not float(row[token]) > 0.0:
+            if not deterministic and not float(row[token]) > 0.0:
                 raise ValueError(f"node {child} (rank {rank} under node {index - 1}): token "
                                  f"{token} has draft probability 0, so the draft could not "
                                  "have drawn it")
@@ -205,10 +223,18 @@ def _without_tokens(q: torch.Tensor, tokens: list[int]) -> torch.Tensor:
 def _choose_child(p: torch.Tensor, q: torch.Tensor, sibling_tokens: list[int], seed: int,
                   position: int) -> tuple[int, torch.Tensor]:
     """Test the siblings in rank order; return the accepted rank, or -1 and the residual the
-    target draws from. Rank 0 runs exactly the chain's test and residual."""
+    target draws from. Rank 0 runs exactly the chain's test and residual; at a
+    deterministic node every later rank is tested against a point mass on its token."""
     removed: list[int] = []
+    deterministic = is_point_mass(q, sibling_tokens[0])
     for rank, token in enumerate(sibling_tokens):
-        q_rank = q if rank == 0 else _without_tokens(q, removed)
+        if rank == 0:
+            q_rank = q
+        elif deterministic:
+            q_rank = torch.zeros_like(q)
+            q_rank[token] = 1.0
+        else:
+            q_rank = _without_tokens(q, removed)
         u = float(uniforms(seed, [position], Purpose.ACCEPT, rank=rank)[0])
         # u * q_r(x) < p(x) has probability min(1, p(x) / q_r(x)); q_r(x) > 0 (checked).
         if u * float(q_rank[token]) < float(p[token]):

@@ -1,0 +1,189 @@
+"""Suffix decoding's data: counted suffix trees, drafts as token trees, the bounded and
+per-tenant global cache, and the exact rule for deterministic siblings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exact_law import chi_square_pvalue
+
+from specdec.core.history import TokenHistory
+from specdec.core.sampling import SamplingParams
+from specdec.core.stats import SUFFIX
+from specdec.core.suffix_cache import NODE_BYTES, SuffixCache, SuffixTree, speculate
+from specdec.core.suffix_proposer import (
+    SuffixEvidence,
+    SuffixProposer,
+    draft_to_proposal,
+    matched_depth,
+)
+from specdec.core.tree_acceptance import verify_tree
+
+
+def walk(tree: SuffixTree, path: list[int]) -> int:
+    node = tree.root
+    for token in path:
+        assert node.children is not None and token in node.children, path
+        node = node.children[token]
+    return node.count
+
+
+def test_a_tree_counts_every_short_substring() -> None:
+    tree = SuffixTree(max_depth=3)
+    tree.add([1, 2, 3, 1, 2, 4])
+    assert walk(tree, [1, 2]) == 2 and walk(tree, [1, 2, 3]) == 1 and walk(tree, [1, 2, 4]) == 1
+    assert walk(tree, [2]) == 2 and walk(tree, [3, 1, 2]) == 1
+    with pytest.raises(AssertionError):
+        walk(tree, [2, 3, 1, 2])  # longer than max_depth
+    # Distinct substrings of length <= 3: 1,2,3,4; 12,23,31,24; 123,231,312,124.
+    assert tree.nodes == 12 and tree.bytes == 12 * NODE_BYTES
+
+
+def test_incremental_appends_equal_one_add_and_remove_undoes_it() -> None:
+    whole, grown = SuffixTree(4), SuffixTree(4)
+    tokens = [5, 1, 5, 1, 5, 2, 7, 5, 1]
+    whole.add(tokens)
+    open_paths: list = []
+    for token in tokens:
+        open_paths = grown.append(open_paths, token)
+    assert whole.nodes == grown.nodes
+    for start in range(len(tokens)):
+        for end in range(start + 1, min(len(tokens), start + 4) + 1):
+            assert walk(whole, tokens[start:end]) == walk(grown, tokens[start:end])
+    whole.add([9, 9, 1])
+    whole.remove(tokens)
+    assert whole.nodes == 5 and walk(whole, [9, 9, 1]) == 1 and walk(whole, [9]) == 2
+    whole.remove([9, 9, 1])
+    assert whole.nodes == 0 and whole.root.children is None
+
+
+def test_speculation_follows_frequencies_best_first() -> None:
+    tree = SuffixTree(8)
+    tree.add([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5])
+    draft = speculate(tree, [7, 1, 2], max_tokens=8, depth_limit=8, max_spec_factor=4.0,
+                      min_token_prob=0.2)
+    assert draft is not None and draft.match_length == 2
+    # After (1, 2): 3 always; then 4 twice in three, 5 once.
+    assert draft.tokens[:2] == (3, 4) and draft.probs[:2] == pytest.approx((1.0, 2 / 3))
+    nodes = list(zip(draft.tokens, draft.parents, draft.probs, strict=True))
+    assert (5, 0, pytest.approx(1 / 3)) in nodes
+    assert list(draft.probs) == sorted(draft.probs, reverse=True)  # best first
+    assert all(draft.parents[i] < i for i in range(len(draft)))
+    capped = speculate(tree, [7, 1, 2], 8, 8, max_spec_factor=2.0, min_token_prob=0.2)
+    assert capped is not None and len(capped) == 4  # 2 tokens per matched token
+    floor = speculate(tree, [7, 1, 2], 8, 8, 2.0, min_token_prob=0.5)
+    assert floor is not None and 5 not in floor.tokens
+    short = speculate(tree, [7, 1, 2], 8, depth_limit=1, max_spec_factor=2.0,
+                      min_token_prob=0.1)
+    assert short is not None and short.tokens == (3,)  # no node deeper than 1
+    assert speculate(tree, [8, 9], 8, 8) is None
+
+
+def test_a_draft_becomes_a_chain_and_alternatives_with_one_hot_q() -> None:
+    tree = SuffixTree(8)
+    tree.add([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 6])
+    draft = speculate(tree, [1, 2], 10, 8, 5.0, 0.2)
+    assert draft is not None
+    proposal = draft_to_proposal(draft, 10, SamplingParams(temperature=1.0, seed=0))
+    assert proposal.source == SUFFIX and proposal.tokens == [3, 4, 1, 2, 3, 4]
+    # The chain follows each node's most frequent child; the rest hang where they occur.
+    alternatives = proposal.alternatives
+    assert (6, -1) in zip(alternatives.tokens, alternatives.parents, strict=True)
+    assert (5, 0) in zip(alternatives.tokens, alternatives.parents, strict=True)
+    alternatives.check(len(proposal.tokens))
+    rows = alternatives.q_nodes(len(proposal.tokens))
+    assert proposal.probs is not None and proposal.probs.shape == (len(rows), 10)
+    assert torch.equal(proposal.probs.sum(dim=1), torch.ones(len(rows)))
+    assert int(proposal.probs[0].argmax()) == 3  # the root's row: its first child, the chain's
+    greedy = draft_to_proposal(draft, 10, SamplingParams())
+    assert greedy.probs is None and greedy.tokens == proposal.tokens
+
+
+def test_the_request_tree_proposes_from_its_own_prompt() -> None:
+    proposer = SuffixProposer(vocab_size=16, max_tokens=4, max_spec_factor=4.0)
+    found = proposer.propose(TokenHistory([3, 1, 4, 1, 5, 9, 2, 3, 1, 4]), 8, SamplingParams())
+    assert found is not None and found.tokens[:2] == [1, 5]
+    assert proposer.propose(TokenHistory([1, 2, 3]), 8, SamplingParams()) is None
+    assert proposer.propose(TokenHistory([3, 1, 4, 3, 1]), 0, SamplingParams()) is None
+
+
+def test_the_global_cache_evicts_oldest_first_by_count_and_by_memory() -> None:
+    cache = SuffixCache(max_depth=4, max_requests=2, max_bytes=1 << 30)
+    for response in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        cache.add("t", response)
+    usage = cache.usage()
+    assert usage.requests == 2 and usage.tenants == 1
+    assert cache.speculate("t", [1, 2], 4, 4, 1.0, 0.1) is None  # the oldest went
+    assert cache.speculate("t", [7, 8], 4, 4, 1.0, 0.1) is not None
+    small = SuffixCache(max_depth=4, max_requests=100, max_bytes=40 * NODE_BYTES)
+    for start in range(0, 200, 10):
+        small.add("t", list(range(start, start + 10)))
+        assert small.usage().bytes <= 40 * NODE_BYTES
+    assert small.usage().requests < 20
+    assert small.speculate("t", [190, 191], 4, 4, 1.0, 0.1) is not None
+    off = SuffixCache(max_requests=0)
+    off.add("t", [1, 2, 3])
+    assert off.usage().requests == 0 and not off.enabled
+
+
+def test_one_tenants_responses_never_speculate_for_another() -> None:
+    cache = SuffixCache(max_depth=6, max_requests=10)
+    cache.add("alice", [10, 11, 12, 13, 14])
+    assert cache.speculate("alice", [10, 11], 4, 4, 2.0, 0.1) is not None
+    assert cache.speculate("bob", [10, 11], 4, 4, 2.0, 0.1) is None
+    alice = SuffixProposer(16, 4, cache, "alice")
+    bob = SuffixProposer(16, 4, cache, "bob")
+    assert alice.propose(TokenHistory([9, 10, 11]), 4, SamplingParams()) is not None
+    assert bob.propose(TokenHistory([9, 10, 11]), 4, SamplingParams()) is None
+    bob.finish([10, 11, 15])
+    found = bob.propose(TokenHistory([9, 10, 11]), 4, SamplingParams())
+    assert found is not None and found.tokens == [15]
+
+
+def test_evidence_compares_scores_with_what_the_target_kept() -> None:
+    tree = SuffixTree(8)
+    tree.add([1, 2, 3, 4, 1, 2, 3, 5])
+    draft = speculate(tree, [1, 2], 4, 8, 2.0, 0.1)
+    assert draft is not None
+    assert matched_depth(draft, [3, 5, 0]) == (2, 3)
+    assert matched_depth(draft, [7]) == (0, 1)
+    evidence = SuffixEvidence(prior=0.5, prior_strength=1.0, decay=1.0)
+    evidence.observe(draft, [3, 5, 0])  # scored 1 + 0.5 + 0.5 + 0.5 (all judged), kept 2
+    assert evidence.calibration == pytest.approx((0.5 + 2) / (1 + 2.5))
+    assert evidence.expected_tokens(draft, 1) == pytest.approx(1 + evidence.calibration)
+    flat = {n: 1.0 for n in range(1, 9)}
+    assert evidence.nodes_to_use(draft, flat.get, None) == (len(draft), None)
+    nodes, rate = evidence.nodes_to_use(draft, flat.get, rival_rate=1.0)
+    assert nodes == len(draft) and rate == pytest.approx(evidence.expected_tokens(draft, nodes))
+    assert evidence.nodes_to_use(draft, flat.get, rival_rate=100.0) == (0, None)
+
+
+# -- deterministic siblings: accept x_r with p_r(x_r), else remove x_r -------------------
+@pytest.mark.parametrize("siblings", [[2], [2, 0], [2, 0, 3], [1, 3]])
+def test_deterministic_siblings_emit_the_target_row(siblings: list[int]) -> None:
+    vocab = 12
+    p = torch.softmax(torch.linspace(1.0, -1.0, vocab), dim=0)
+    q = torch.zeros(1, vocab)
+    q[0, siblings[0]] = 1.0  # a deterministic node's row: one-hot at its first child
+    # A depth-1 tree: the chain's first token and its siblings as alternatives of the root.
+    chain = torch.tensor([siblings[0]])
+    flat = torch.full((vocab,), 1 / vocab)
+    target = torch.stack([p, flat, *[flat] * (len(siblings) - 1)])
+    samples = []
+    for seed in range(3000):
+        verdict = verify_tree(chain, siblings[1:], [-1] * (len(siblings) - 1), q, target,
+                              SamplingParams(temperature=1.0, seed=seed), 7)
+        first = (siblings[0] if verdict.accepted_len else
+                 siblings[1 + verdict.branch_path[0]] if verdict.branch_path
+                 else verdict.next_token)
+        samples.append((first,))
+    law = {(token,): float(p[token]) for token in range(vocab)}
+    assert chi_square_pvalue(samples, law) > 1e-3
+
+
+def test_a_drawn_node_still_needs_q_for_each_sibling() -> None:
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    target = torch.full((3, 3), 1 / 3)
+    with pytest.raises(ValueError, match="draft probability 0"):
+        verify_tree(torch.tensor([0]), [2], [-1], q, target,
+                    SamplingParams(temperature=1.0, seed=1), 0)
