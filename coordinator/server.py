@@ -38,7 +38,14 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         max_prompt_tokens=getattr(args, "max_prompt_tokens", 0),
         draft_timeout_s=args.draft_timeout_ms / 1000, target_timeout_s=args.target_timeout_s,
         max_concurrent_requests=args.max_concurrent_requests,
-        max_queued_requests=args.max_queued_requests)
+        max_queued_requests=args.max_queued_requests,
+        suffix_max_tokens=args.suffix_max_tokens,
+        suffix_max_tree_depth=args.suffix_max_tree_depth,
+        suffix_max_cached_requests=args.suffix_max_cached_requests,
+        suffix_cache_mb=args.suffix_cache_mb,
+        suffix_max_spec_factor=args.suffix_max_spec_factor,
+        suffix_min_token_prob=args.suffix_min_token_prob,
+        suffix_share_tenants=args.suffix_share_tenants == "on")
 
 
 def replica_endpoints(args: argparse.Namespace, channels: ChannelPool) -> ReplicaEndpoints:

@@ -13,6 +13,7 @@ the running and queued limits a request is answered RESOURCE_EXHAUSTED at once.
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import logging
 import queue
 import threading
@@ -35,7 +36,16 @@ from coordinator.clients import ChannelPool, GrpcDrafter, GrpcVerifier, ProbsRel
 from coordinator.endpoints import EndpointSource
 from coordinator.routing import ReplicaRoute
 from coordinator.streaming import StreamChunker
-from coordinator.validation import Limits, ValidRequest, decoder, validate
+from coordinator.validation import (
+    AUTO,
+    DRAFT,
+    LOOKUP,
+    SUFFIX,
+    Limits,
+    ValidRequest,
+    decoder,
+    validate,
+)
 from specdec.core import policy as policies
 from specdec.core.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, length_policy
 from specdec.core.interfaces import Drafter, Verifier
@@ -47,6 +57,9 @@ from specdec.core.prompt_lookup import (
     PromptLookup,
 )
 from specdec.core.speculation_gate import SpeculationGate
+from specdec.core.suffix_cache import SuffixCache
+from specdec.core.suffix_proposer import SuffixProposer
+from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.steps import DEFAULT_ALTERNATIVES
 from specdec.errors import SpecdecError
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -81,6 +94,14 @@ class CoordinatorSettings:
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS  # generations running
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS  # waiting for a running slot
     max_prompt_tokens: int = 0  # SPECDEC_MAX_PROMPT_TOKENS; 0 = the target's context
+    # Suffix decoding (specdec.core.suffix_cache); suffix_max_tokens 0 = off.
+    suffix_max_tokens: int = default("suffix-max-tokens")
+    suffix_max_tree_depth: int = default("suffix-max-tree-depth")
+    suffix_max_cached_requests: int = default("suffix-max-cached-requests")
+    suffix_cache_mb: int = default("suffix-cache-mb")
+    suffix_max_spec_factor: float = default("suffix-max-spec-factor")
+    suffix_min_token_prob: float = default("suffix-min-token-prob")
+    suffix_share_tenants: bool = default("suffix-share-tenants") == "on"
 
 
 class Cancelled(Exception):
@@ -129,7 +150,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                              self.settings.num_draft_tokens, self.settings.draft_confidence,
                              self.settings.num_alternatives,
                              self.settings.prompt_lookup_tokens,
-                             max_prompt_tokens=self.settings.max_prompt_tokens)
+                             max_prompt_tokens=self.settings.max_prompt_tokens,
+                             suffix_enabled=self.settings.suffix_max_tokens > 0)
+        # Earlier responses, per tenant, that suffix decoding proposes from.
+        self.suffix_cache = SuffixCache(self.settings.suffix_max_tree_depth,
+                                        self.settings.suffix_max_cached_requests,
+                                        self.settings.suffix_cache_mb << 20)
+        self.telemetry.watch_suffix_cache(self.suffix_cache.usage)
         # Round costs are a property of this deployment: every adaptive session shares them.
         self.costs = CostModel()
         # Whether drafting raises this deployment's output rate at the current load.
@@ -140,6 +167,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # Checked here, so that a bad setting stops the coordinator at start.
         PromptLookup(target.vocab_size, 1, self.settings.prompt_lookup_min,
                      self.settings.prompt_lookup_max)
+        if not 0.0 <= self.settings.suffix_min_token_prob <= 1.0:
+            raise ValueError(f"suffix min token probability must be in [0, 1], got "
+                             f"{self.settings.suffix_min_token_prob}")
+        if self.settings.suffix_max_spec_factor <= 0:
+            raise ValueError(f"suffix max spec factor must be > 0, got "
+                             f"{self.settings.suffix_max_spec_factor}")
 
     def service(self) -> Service:
         return Service(SERVICE_NAME,
@@ -158,10 +191,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return cancelled.is_set() or not context.is_active()
 
         self._admit(context, is_cancelled, deadline)
+        tenant = self.tenant(context)
         try:
             with self.telemetry.request(request.request_id, len(valid.prompt_ids)) as observed:
                 result = self.run(valid, request.request_id, deadline, is_cancelled,
-                                  observed=observed)
+                                  observed=observed, tenant=tenant)
         except Cancelled:
             context.abort(grpc.StatusCode.CANCELLED, "client cancelled")
         finally:
@@ -187,6 +221,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return cancelled.is_set() or not context.is_active()
 
         self._admit(context, is_cancelled, deadline)
+        tenant = self.tenant(context)
         chunks: queue.Queue[coordinator_pb2.GenerateResponse | BaseException | None] = queue.Queue()
         chunker = StreamChunker(self.decode, valid.stop)
         output: list[int] = []
@@ -202,7 +237,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 with self.telemetry.request(request.request_id,
                                             len(valid.prompt_ids)) as observed:
                     result = self.run(valid, request.request_id, deadline, is_cancelled,
-                                      on_round, observed=observed)
+                                      on_round, observed=observed, tenant=tenant)
                 text, tokens = chunker.finish(result.text or "", result.token_ids)
                 last = coordinator_pb2.GenerateResponse(text=text, token_ids=tokens,
                                                         finish_reason=result.finish_reason,
@@ -257,15 +292,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                               "SPECDEC_MAX_CONCURRENT_REQUESTS)")
             context.abort(grpc.StatusCode.CANCELLED, "client cancelled while queued")
 
+    def tenant(self, context: grpc.ServicerContext) -> str:
+        """Whose earlier responses suffix decoding may propose from: the caller's API key
+        (a digest of it, never the key), so one key's outputs never speculate for
+        another's; "" for calls without a key, or for all when sharing is on."""
+        if self.settings.suffix_share_tenants:
+            return ""
+        header = next((str(value) for name, value in context.invocation_metadata() or ()
+                       if name == "authorization"), "")
+        return hashlib.sha256(header.strip().encode()).hexdigest() if header else ""
+
     # -- the loop --------------------------------------------------------------------------
     def run(self, valid: ValidRequest, request_id: str, deadline: float | None,
             is_cancelled: Callable[[], bool],
             on_event: Callable[[RoundEvent], None] | None = None,
-            observed: RequestObserver | None = None) -> GenerationResult:
+            observed: RequestObserver | None = None, tenant: str = "") -> GenerationResult:
         session_id = uuid.uuid4().hex  # never the client's request_id: caches are per run
         relay = ProbsRelay()
         drafter = None
-        if self.endpoints.draft is not None and valid.num_draft_tokens > 0:
+        if (self.endpoints.draft is not None and valid.num_draft_tokens > 0
+                and valid.method in (AUTO, DRAFT)):
             drafter = GrpcDrafter(self._route("draft", self.endpoints.draft, session_id),
                                   vocab_size=self.target.vocab_size,
                                   timeout_s=self.settings.draft_timeout_s, deadline=deadline,
@@ -281,6 +327,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 num_alternatives=valid.num_alternatives,
                                 max_alternative_depth=valid.max_alternative_depth,
                                 prompt_lookup=self._prompt_lookup(valid),
+                                suffix=self._suffix(valid, tenant),
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)
         loop_drafter: Drafter | None = drafter
@@ -314,15 +361,38 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         result = generate(loop_drafter, loop_verifier, valid.prompt_ids, config,
                           policy=policy, decode=self.decode, on_round=on_round,
                           backoff=backoff)
+        if ((config.suffix is None or config.suffix.cache is None)
+                and self.settings.suffix_max_tokens > 0):
+            # Every response joins its tenant's tree (a suffix request's own did in the
+            # loop), whichever method produced it.
+            self.suffix_cache.add(tenant, result.token_ids)
         if observed is not None:
             observed.finish(result)
         return result
 
     def _prompt_lookup(self, valid: ValidRequest) -> PromptLookup | None:
-        if valid.num_draft_tokens == 0 or valid.prompt_lookup_tokens == 0:
+        if (valid.num_draft_tokens == 0 or valid.prompt_lookup_tokens == 0
+                or valid.method not in (AUTO, LOOKUP)):
             return None  # a target-only request stays target-only
         return PromptLookup(self.target.vocab_size, valid.prompt_lookup_tokens,
                             self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
+
+    def _suffix(self, valid: ValidRequest, tenant: str) -> SuffixProposer | None:
+        if (valid.num_draft_tokens == 0 or self.settings.suffix_max_tokens == 0
+                or valid.method not in (AUTO, SUFFIX)):
+            return None
+        # A fixed-length auto request proposes from its own text alone, so that a seeded
+        # one repeats its tokens whatever earlier requests left in the global tree.
+        shared = valid.adaptive or valid.method == SUFFIX
+        # The target verifies at most max_draft_tokens chain tokens and DECODE_ROWS
+        # alternatives a round.
+        return SuffixProposer(self.target.vocab_size,
+                              min(self.settings.suffix_max_tokens,
+                                  self.settings.max_draft_tokens, DECODE_ROWS + 1),
+                              self.suffix_cache if shared else None, tenant,
+                              self.settings.suffix_max_tree_depth,
+                              self.settings.suffix_max_spec_factor,
+                              self.settings.suffix_min_token_prob)
 
     def _route(self, role: str, replicas: ReplicaSet, session_id: str) -> ReplicaRoute:
         """Pin the session to a replica; every pin (at start or after a move) is counted."""
@@ -346,6 +416,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         out.lookup_drafts = stats.lookup_drafts
         out.lookup_draft_tokens = stats.lookup_draft_tokens
         out.lookup_accepted_tokens = stats.lookup_accepted_tokens
+        out.suffix_drafts = stats.suffix_drafts
+        out.suffix_draft_tokens = stats.suffix_draft_tokens
+        out.suffix_accepted_tokens = stats.suffix_accepted_tokens
         out.prompt_tokens = prompt_tokens
         out.completion_tokens = len(result.token_ids)
         out.total_seconds = stats.total_s

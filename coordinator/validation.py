@@ -11,6 +11,7 @@ from specdec.engine.shapes import DECODE_ROWS
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import coordinator_pb2
 from specdec.serving import wire
+from specdec.settings import SPECULATION_METHODS
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,12 @@ class Limits:
     default_alternatives: int = 0  # greedy requests that do not set their own
     default_lookup_tokens: int = 0  # requests that do not set their own
     max_prompt_tokens: int = 0  # SPECDEC_MAX_PROMPT_TOKENS; 0 = the target's context
+    suffix_enabled: bool = False  # SPECDEC_SUFFIX_MAX_TOKENS > 0
+
+
+# SpeculationParams.method: where a round's proposals come from ("" = auto).
+METHODS = SPECULATION_METHODS
+AUTO, DRAFT, SUFFIX, LOOKUP, NONE = METHODS
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,7 @@ class ValidRequest:
     num_alternatives: int = 0
     prompt_lookup_tokens: int = 0
     max_alternative_depth: int = 0
+    method: str = AUTO  # NONE only with num_draft_tokens 0
 
 
 def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
@@ -54,7 +62,16 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
                              f"(SPECDEC_MAX_NEW_TOKENS_LIMIT), got {request.max_new_tokens}")
     sampling = (wire.sampling_from_proto(request.sampling) if request.HasField("sampling")
                 else SamplingParams())
+    method = speculation_method(request, limits)
     num_draft_tokens, adaptive = speculation_mode(request, limits)
+    if method == NONE:
+        num_draft_tokens, adaptive = 0, False
+    elif num_draft_tokens == 0 and not adaptive:
+        if method != AUTO:
+            raise InvalidRequest(f"speculation.method {method!r} speculates, but "
+                                 "num_draft_tokens 0 without adaptive asks for target-only "
+                                 "decoding; leave num_draft_tokens out or set it above 0")
+        method = NONE
     draft_confidence = limits.default_draft_confidence if adaptive else 0.0
     if request.HasField("speculation") and request.speculation.HasField("draft_confidence"):
         draft_confidence = request.speculation.draft_confidence
@@ -78,8 +95,12 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not 0 <= lookup_tokens <= limits.max_draft_tokens:
             raise InvalidRequest(f"speculation.prompt_lookup_tokens must be in "
                                  f"[0, {limits.max_draft_tokens}], got {lookup_tokens}")
-    if request.HasField("speculation") and num_draft_tokens == 0 and not adaptive:
+    if method == NONE:
         check_target_only(request)
+    if method == LOOKUP and lookup_tokens == 0:
+        raise InvalidRequest("speculation.method \"lookup\" needs prompt_lookup_tokens > 0 "
+                             "(the coordinator's SPECDEC_PROMPT_LOOKUP_TOKENS is 0 unless the "
+                             "request sets its own)")
     stop = list(request.stop)
     for index, text in enumerate(stop):
         if not text:
@@ -111,22 +132,38 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
             f"{limits.max_context - len(prompt_ids)}")
     return ValidRequest(prompt_ids, request.max_new_tokens, sampling, num_draft_tokens,
                         adaptive, stop, draft_confidence, num_alternatives, lookup_tokens,
-                        max_alternative_depth)
+                        max_alternative_depth, method)
+
+
+def speculation_method(request: coordinator_pb2.GenerateRequest, limits: Limits) -> str:
+    """The request's `speculation.method`, "auto" when unset; InvalidRequest naming the
+    choices for any other value, or for "suffix" on a coordinator with it off."""
+    method = request.speculation.method or AUTO
+    if method not in METHODS:
+        raise InvalidRequest(f"speculation.method must be one of {', '.join(METHODS)} "
+                             f"(empty = auto), got {method!r}")
+    if method == SUFFIX and not limits.suffix_enabled:
+        raise InvalidRequest("speculation.method \"suffix\" is off on this coordinator "
+                             "(SPECDEC_SUFFIX_MAX_TOKENS is 0); use auto, draft or lookup")
+    return method
 
 
 def speculation_mode(request: coordinator_pb2.GenerateRequest,
                      limits: Limits) -> tuple[int, bool]:
-    """(draft length, adaptive) a request asks for.
+    """(draft length, adaptive) a request asks for; unset fields are the defaults.
 
-    No `speculation`: adaptive, from the coordinator's default length. `adaptive` with
-    num_draft_tokens 0: the same (0 there means "the default length"). num_draft_tokens
-    N > 0 without `adaptive`: a fixed length of N. Neither: target-only decoding
-    (check_target_only).
+    No `speculation`, or one that sets neither field: adaptive, from the coordinator's
+    default length. `adaptive` with num_draft_tokens 0 or unset: the same (0 there means
+    "the default length"). num_draft_tokens N > 0 with adaptive false or unset: a fixed
+    length of N; adaptive false alone, a fixed default length. num_draft_tokens 0 set
+    without adaptive: target-only decoding (check_target_only).
     """
-    if not request.HasField("speculation"):
-        return limits.default_draft_tokens, True
     speculation = request.speculation
-    num_draft_tokens, adaptive = speculation.num_draft_tokens, speculation.adaptive
+    if not speculation.HasField("num_draft_tokens"):
+        adaptive = speculation.adaptive if speculation.HasField("adaptive") else True
+        return limits.default_draft_tokens, adaptive
+    num_draft_tokens = speculation.num_draft_tokens
+    adaptive = speculation.adaptive  # unset: False, since a length was given
     if not 0 <= num_draft_tokens <= limits.max_draft_tokens:
         raise InvalidRequest(f"speculation.num_draft_tokens must be in "
                              f"[0, {limits.max_draft_tokens}] (0 = the default length with "
@@ -137,20 +174,25 @@ def speculation_mode(request: coordinator_pb2.GenerateRequest,
 
 
 def check_target_only(request: coordinator_pb2.GenerateRequest) -> None:
-    """A target-only request (num_draft_tokens 0 without adaptive) that sets a field only
-    speculative requests use is rejected rather than silently served without a draft."""
+    """A target-only request (num_draft_tokens 0 without adaptive, or method none) that
+    sets a field only speculative requests use is rejected rather than silently served
+    without a draft."""
     speculation = request.speculation
     speculative = [name for name in ("draft_confidence", "num_alternatives",
                                      "prompt_lookup_tokens")
                    if speculation.HasField(name) and getattr(speculation, name) != 0]
     if speculation.max_alternative_depth:
         speculative.append("max_alternative_depth")
+    if speculation.method == NONE and (speculation.num_draft_tokens or speculation.adaptive):
+        speculative.append("num_draft_tokens" if speculation.num_draft_tokens else "adaptive")
     if speculative:
+        asked = ("method none" if speculation.method == NONE
+                 else "num_draft_tokens 0 without adaptive")
         raise InvalidRequest(
             f"speculation.{speculative[0]} applies to speculative requests, but "
-            "num_draft_tokens 0 without adaptive asks for target-only decoding; leave "
-            "out `speculation` for the default (adaptive), or set adaptive or "
-            "num_draft_tokens")
+            f"{asked} asks for target-only decoding; leave it out for the default "
+            "(adaptive, method auto), or ask for speculation (adaptive, num_draft_tokens "
+            "> 0, or a method other than none)")
 
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")

@@ -253,14 +253,15 @@ BAD_CHAT: dict[str, tuple[dict[str, Any], str]] = {
     "negative seed": ({"seed": -1}, "seed"),
     "empty stop": ({"stop": [""]}, "stop"),
     "too many draft tokens": ({"num_draft_tokens": 1000}, "num_draft_tokens"),
-    "adaptive alone": ({"adaptive": True}, "num_draft_tokens"),
+    "adaptive as text": ({"adaptive": "yes"}, "adaptive"),
+    "unknown speculation_method": ({"speculation_method": "fast"}, "speculation_method"),
     "stream_options without stream": ({"stream_options": {"include_usage": True}},
                                       "stream_options"),
 }
 
 
 # specdec's own fields: the SDK sends them through extra_body.
-EXTENSIONS = ("num_draft_tokens", "adaptive", "top_k", "min_p")
+EXTENSIONS = ("num_draft_tokens", "adaptive", "speculation_method", "top_k", "min_p")
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CHAT))

@@ -16,7 +16,8 @@ from coordinator.validation import Limits, validate
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import coordinator_pb2
 
-LIMITS = Limits(64, 256, 100, 16, 5, default_draft_confidence=0.4)
+LIMITS = Limits(64, 256, 100, 16, 5, default_draft_confidence=0.4,
+                default_lookup_tokens=6)
 
 
 def request(**speculation: object) -> coordinator_pb2.GenerateRequest:
@@ -41,6 +42,30 @@ def test_adaptive_alone_starts_from_the_default_length() -> None:
     assert mode(adaptive=True, num_draft_tokens=3) == (3, True)
 
 
+def test_an_empty_or_partial_speculation_takes_the_defaults() -> None:
+    # The reported trap: a present `speculation` with num_draft_tokens unset ran
+    # target-only; every unset field is the coordinator's default now.
+    assert mode() == mode(draft_confidence=0.3) == mode(num_alternatives=2) == (5, True)
+    assert mode(prompt_lookup_tokens=4) == mode(method="auto") == (5, True)
+    assert mode(adaptive=False) == (5, False)  # a fixed length, the default one
+    empty = coordinator_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=4)
+    empty.speculation.SetInParent()
+    valid = validate(empty, LIMITS, None)
+    assert (valid.num_draft_tokens, valid.adaptive, valid.method) == (5, True, "auto")
+
+
+def test_target_only_is_asked_for_explicitly() -> None:
+    for fields in (dict(num_draft_tokens=0), dict(method="none")):
+        valid = validate(request(**fields), LIMITS, None)
+        assert (valid.num_draft_tokens, valid.adaptive, valid.method) == (0, False, "none")
+
+
+@pytest.mark.parametrize("method", ["auto", "draft", "lookup"])
+def test_each_method_is_speculative(method: str) -> None:
+    valid = validate(request(method=method), LIMITS, None)
+    assert (valid.num_draft_tokens, valid.adaptive, valid.method) == (5, True, method)
+
+
 def test_a_length_without_adaptive_is_fixed_and_zero_is_target_only() -> None:
     assert mode(num_draft_tokens=3) == (3, False)
     assert mode(num_draft_tokens=0) == (0, False)
@@ -51,10 +76,17 @@ def test_a_length_without_adaptive_is_fixed_and_zero_is_target_only() -> None:
     (dict(num_draft_tokens=-1), "speculation.num_draft_tokens"),
     (dict(num_draft_tokens=-1, adaptive=True), "speculation.num_draft_tokens"),
     (dict(num_draft_tokens=17, adaptive=True), "speculation.num_draft_tokens"),
-    (dict(draft_confidence=0.3), "speculation.draft_confidence"),
-    (dict(num_alternatives=2), "speculation.num_alternatives"),
-    (dict(max_alternative_depth=1), "speculation.max_alternative_depth"),
-    (dict(prompt_lookup_tokens=4), "speculation.prompt_lookup_tokens"),
+    (dict(num_draft_tokens=0, draft_confidence=0.3), "speculation.draft_confidence"),
+    (dict(num_draft_tokens=0, num_alternatives=2), "speculation.num_alternatives"),
+    (dict(num_draft_tokens=0, max_alternative_depth=1), "speculation.max_alternative_depth"),
+    (dict(num_draft_tokens=0, prompt_lookup_tokens=4), "speculation.prompt_lookup_tokens"),
+    (dict(method="none", prompt_lookup_tokens=4), "speculation.prompt_lookup_tokens"),
+    (dict(method="none", num_draft_tokens=3), "speculation.num_draft_tokens"),
+    (dict(method="none", adaptive=True), "speculation.adaptive"),
+    (dict(method="draft", num_draft_tokens=0), "speculation.method"),
+    (dict(method="lookup", prompt_lookup_tokens=0), "speculation.method"),
+    (dict(method="suffix"), "speculation.method"),  # off in LIMITS
+    (dict(method="Suffix"), "speculation.method must be one of auto, draft"),
 ])
 def test_meaningless_speculation_is_rejected_naming_the_field(
         fields: dict[str, object], named: str) -> None:
@@ -82,6 +114,6 @@ def test_over_grpc_the_default_drafts_and_target_only_does_not(services: Service
     target_only = services.stub.Generate(request(num_draft_tokens=0), timeout=30)
     assert target_only.stats.draft_tokens == 0 and target_only.stats.rounds > 0
     with pytest.raises(grpc.RpcError) as error:
-        services.stub.Generate(request(num_alternatives=1), timeout=30)
+        services.stub.Generate(request(num_draft_tokens=0, num_alternatives=1), timeout=30)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "target-only" in (error.value.details() or "")

@@ -8,6 +8,12 @@ Counters (coordinator), as vLLM defines them:
   `position` (0-based), so acceptance by position is per_pos[i] / num_drafts.
 - specdec_num_lookup_draft_tokens_total / specdec_num_lookup_accepted_tokens_total: prompt
   lookup's part of the two token counters (specdec.core.prompt_lookup).
+- specdec_num_drafts_per_source_total{source}, specdec_num_draft_tokens_per_source_total
+  {source}, specdec_num_accepted_tokens_per_source_total{source}: the three counters split
+  by who proposed (source: draft, prompt_lookup or suffix, Proposal.source); over the
+  sources they sum to the unlabelled ones.
+Gauges: specdec_suffix_cache_bytes and specdec_suffix_cache_requests, the global suffix
+tree's memory (estimated from its node count) and the responses it holds.
 Mean acceptance length = 1 + accepted / drafts (the +1 is the correction or bonus token).
 They are counted per round as rounds end, so they move during long requests and sum to
 exactly the GenerationStats a response reports.
@@ -32,7 +38,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from specdec.core.stats import PROMPT_LOOKUP
+from specdec.core.stats import PROMPT_LOOKUP, SUFFIX
 
 if TYPE_CHECKING:  # the loop pulls in torch; `specdec traces` should not need it
     from specdec.core.loop import GenerationResult, RoundEvent
@@ -85,6 +91,21 @@ class CoordinatorMetrics:
         self.num_lookup_accepted_tokens = counter(
             "num_lookup_accepted_tokens", "Prompt-lookup tokens accepted by the target (also "
             "counted as accepted)")
+        self.num_drafts_per_source = counter(
+            "num_drafts_per_source", "Rounds that proposed tokens, by who proposed them",
+            ("source",))
+        self.num_draft_tokens_per_source = counter(
+            "num_draft_tokens_per_source", "Proposed chain tokens, by who proposed them",
+            ("source",))
+        self.num_accepted_tokens_per_source = counter(
+            "num_accepted_tokens_per_source", "Proposed tokens the target accepted, by who "
+            "proposed them", ("source",))
+        self.suffix_cache_bytes = Gauge(
+            "specdec_suffix_cache_bytes", "Memory of the global suffix tree (estimated from "
+            "its nodes)", registry=registry)
+        self.suffix_cache_requests = Gauge(
+            "specdec_suffix_cache_requests", "Earlier responses the global suffix tree holds",
+            registry=registry)
         self.num_accepted_tokens_per_pos = counter(
             "num_accepted_tokens_per_pos", "Accepted draft tokens by 0-based draft position",
             ("position",))
@@ -151,9 +172,10 @@ class RequestRecorder:
         if event.degraded:
             m.degraded_rounds.inc()
         proposed = len(event.proposal.tokens) if event.proposal else 0
-        # A prompt-lookup round makes no Propose call: its microseconds of n-gram search
-        # would drag the histogram towards zero.
-        if event.proposal is not None and event.proposal.source != PROMPT_LOOKUP:
+        # A model-free round makes no Propose call: its microseconds of search would drag
+        # the histogram towards zero.
+        if event.proposal is not None and event.proposal.source not in (PROMPT_LOOKUP,
+                                                                         SUFFIX):
             m.propose_latency.observe(event.proposal.elapsed_s)
         if proposed:  # the same rule as GenerationStats.record_round
             m.num_drafts.inc()
@@ -164,6 +186,11 @@ class RequestRecorder:
             if event.proposal is not None and event.proposal.source == PROMPT_LOOKUP:
                 m.num_lookup_draft_tokens.inc(proposed)
                 m.num_lookup_accepted_tokens.inc(event.accepted_len)
+            if event.proposal is not None:
+                source = event.proposal.source
+                m.num_drafts_per_source.labels(source=source).inc()
+                m.num_draft_tokens_per_source.labels(source=source).inc(proposed)
+                m.num_accepted_tokens_per_source.labels(source=source).inc(event.accepted_len)
             for position in range(event.accepted_len):
                 m.num_accepted_tokens_per_pos.labels(position=str(position)).inc()
         self._round_started = time.perf_counter()

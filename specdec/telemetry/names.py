@@ -54,7 +54,8 @@ TREE_DEPTH = "specdec.round.tree_depth"  # the proposal's deepest node (the chai
 KEPT_RANKS = "specdec.round.kept_ranks"  # per depth of the accepted path, the kept
 # child's rank among its siblings (0: the chain's token or a first child)
 # Who proposed: "draft" (the draft model), "prompt_lookup" (copied from earlier text, no
-# Propose call), "" (a target-only round).
+# Propose call), "suffix" (the suffix cache's token tree, no Propose call), "" (a
+# target-only round); ACCEPTED says how many of its tokens were kept.
 SOURCE = "specdec.round.source"
 EMITTED = "specdec.round.emitted"
 EMITTED_TOKEN_IDS = "specdec.round.emitted_token_ids"

@@ -113,6 +113,13 @@ class Telemetry:
         if self.coordinator_metrics is not None:
             self.coordinator_metrics.queued_requests.set_function(queued)
 
+    def watch_suffix_cache(self, usage: Callable[[], Any]) -> None:
+        """The suffix cache gauges read `usage()` (a CacheUsage) at each scrape."""
+        if self.coordinator_metrics is not None:
+            metrics = self.coordinator_metrics
+            metrics.suffix_cache_bytes.set_function(lambda: usage().bytes)
+            metrics.suffix_cache_requests.set_function(lambda: usage().requests)
+
     def record_refused_request(self) -> None:
         if self.coordinator_metrics is not None:
             self.coordinator_metrics.refused_requests.inc()

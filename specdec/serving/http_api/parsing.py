@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2
+from specdec.settings import SPECULATION_METHODS
 
 # OpenAI's sampling default; specdec's gRPC API instead defaults to greedy.
 DEFAULT_TEMPERATURE = 1.0
@@ -231,19 +232,23 @@ def _set_sampling(sampling: common_pb2.SamplingParams, body: dict[str, Any]) -> 
 
 
 def _set_speculation(request: coordinator_pb2.GenerateRequest, body: dict[str, Any]) -> None:
-    """specdec's extensions: num_draft_tokens (0 = target only) and adaptive."""
+    """specdec's extensions: num_draft_tokens (0 = target only), adaptive and
+    speculation_method (SpeculationParams.method); each one left out takes the
+    coordinator's default."""
     num_draft_tokens = body.get("num_draft_tokens")
-    adaptive = _bool(body, "adaptive", False)
-    if num_draft_tokens is None:
-        if adaptive:
-            raise invalid("num_draft_tokens", "adaptive starts from num_draft_tokens: give "
-                          "both (e.g. num_draft_tokens 4)")
-        return  # the coordinator's default draft length
-    if not _is_int(num_draft_tokens) or not 0 <= num_draft_tokens < 2**31:
-        raise invalid("num_draft_tokens", f"num_draft_tokens must be an integer >= 0, "
-                      f"got {_json(num_draft_tokens)}")
-    request.speculation.num_draft_tokens = num_draft_tokens
-    request.speculation.adaptive = adaptive
+    if num_draft_tokens is not None:
+        if not _is_int(num_draft_tokens) or not 0 <= num_draft_tokens < 2**31:
+            raise invalid("num_draft_tokens", f"num_draft_tokens must be an integer >= 0, "
+                          f"got {_json(num_draft_tokens)}")
+        request.speculation.num_draft_tokens = num_draft_tokens
+    if body.get("adaptive") is not None:
+        request.speculation.adaptive = _bool(body, "adaptive", True)
+    method = body.get("speculation_method")
+    if method is not None:
+        if method not in SPECULATION_METHODS:
+            raise invalid("speculation_method", f"speculation_method must be one of "
+                          f"{', '.join(map(_json, SPECULATION_METHODS))}, got {_json(method)}")
+        request.speculation.method = method
 
 
 def _stop(stop: Any) -> list[str]:

@@ -107,6 +107,13 @@ Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class SpeculationParams(_message.Message):
+    """Every field a request leaves unset takes the coordinator's default (field presence,
+    not zero values): a request without `speculation`, with an empty one, or with only
+    some fields set speculates as the coordinator does by default (adaptive, method
+    auto). Target-only decoding is asked for explicitly: num_draft_tokens = 0 (without
+    adaptive) or method "none".
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
@@ -115,13 +122,16 @@ class SpeculationParams(_message.Message):
     NUM_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     PROMPT_LOOKUP_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_ALTERNATIVE_DEPTH_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
     num_draft_tokens: _builtins.int
     """Tokens drafted per round: with `adaptive`, where the length starts (0 = the
-    coordinator's default); without, a fixed length, and 0 = target only. A request
-    without `speculation` is adaptive from the coordinator's default length.
+    coordinator's default); without, a fixed length, and 0 = target only. Absent = the
+    coordinator's SPECDEC_NUM_DRAFT_TOKENS.
     """
     adaptive: _builtins.bool
-    """Let the coordinator adapt the draft length to the acceptance it sees."""
+    """Let the coordinator adapt the draft length to the acceptance it sees. Absent =
+    adaptive, unless num_draft_tokens is set (a length given alone is fixed).
+    """
     draft_confidence: _builtins.float
     """End a round's draft early after a token the draft gives less than this probability
     (output unchanged, exactness kept). In [0, 1]; 0 = off. Absent = the coordinator's
@@ -136,37 +146,60 @@ class SpeculationParams(_message.Message):
     """Most tokens a prompt-lookup round proposes: the text that followed the latest earlier
     occurrence of the last few tokens, verified without a draft forward (output
     unchanged, every sampling mode). Absent = the coordinator's
-    SPECDEC_PROMPT_LOOKUP_TOKENS; 0 = off. Requests with num_draft_tokens = 0 never look up.
+    SPECDEC_PROMPT_LOOKUP_TOKENS; 0 = off. Target-only requests never look up.
     """
     max_alternative_depth: _builtins.int
     """How many levels below the chain a token tree's alternatives may go: 1 = each one
     follows a chain token (alternatives one level deep); 0 = as deep as the draft finds
     them worth a row. Only with num_alternatives.
     """
+    method: _builtins.str
+    """Where a round's proposals come from:
+      "auto" (or empty, the default): each round, whichever of the suffix cache, prompt
+        lookup and the draft model is expected to emit tokens fastest (a fixed-length
+        request's suffix trees cover its own text only, so a seeded one repeats its
+        tokens; adaptive ones also use earlier responses);
+      "draft": the draft model alone;
+      "suffix": suffix decoding alone (what followed the same text in this request or
+        earlier responses; rounds without a match run target-only);
+      "lookup": prompt lookup alone (likewise);
+      "none": target-only decoding.
+    Every method keeps the output exact (greedy output and sampled law unchanged).
+    Another value is INVALID_ARGUMENT.
+    """
     def __init__(
         self,
         *,
-        num_draft_tokens: _builtins.int = ...,
-        adaptive: _builtins.bool = ...,
+        num_draft_tokens: _builtins.int | None = ...,
+        adaptive: _builtins.bool | None = ...,
         draft_confidence: _builtins.float | None = ...,
         num_alternatives: _builtins.int | None = ...,
         prompt_lookup_tokens: _builtins.int | None = ...,
         max_alternative_depth: _builtins.int = ...,
+        method: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_num_draft_tokens", b"_num_draft_tokens", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "max_alternative_depth", b"max_alternative_depth", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_num_draft_tokens", b"_num_draft_tokens", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "max_alternative_depth", b"max_alternative_depth", "method", b"method", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__adaptive: _TypeAlias = _typing.Literal["adaptive"]  # noqa: Y015
+    _WhichOneofArgType__adaptive: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive"]  # noqa: Y015
     _WhichOneofReturnType__draft_confidence: _TypeAlias = _typing.Literal["draft_confidence"]  # noqa: Y015
     _WhichOneofArgType__draft_confidence: _TypeAlias = _typing.Literal["_draft_confidence", b"_draft_confidence"]  # noqa: Y015
     _WhichOneofReturnType__num_alternatives: _TypeAlias = _typing.Literal["num_alternatives"]  # noqa: Y015
     _WhichOneofArgType__num_alternatives: _TypeAlias = _typing.Literal["_num_alternatives", b"_num_alternatives"]  # noqa: Y015
+    _WhichOneofReturnType__num_draft_tokens: _TypeAlias = _typing.Literal["num_draft_tokens"]  # noqa: Y015
+    _WhichOneofArgType__num_draft_tokens: _TypeAlias = _typing.Literal["_num_draft_tokens", b"_num_draft_tokens"]  # noqa: Y015
     _WhichOneofReturnType__prompt_lookup_tokens: _TypeAlias = _typing.Literal["prompt_lookup_tokens"]  # noqa: Y015
     _WhichOneofArgType__prompt_lookup_tokens: _TypeAlias = _typing.Literal["_prompt_lookup_tokens", b"_prompt_lookup_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__adaptive) -> _WhichOneofReturnType__adaptive | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__draft_confidence) -> _WhichOneofReturnType__draft_confidence | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_alternatives) -> _WhichOneofReturnType__num_alternatives | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_draft_tokens) -> _WhichOneofReturnType__num_draft_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_lookup_tokens) -> _WhichOneofReturnType__prompt_lookup_tokens | None: ...
 
@@ -236,6 +269,9 @@ class GenerationStats(_message.Message):
     LOOKUP_DRAFTS_FIELD_NUMBER: _builtins.int
     LOOKUP_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SUFFIX_DRAFTS_FIELD_NUMBER: _builtins.int
+    SUFFIX_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SUFFIX_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     rounds: _builtins.int
     draft_tokens: _builtins.int
     accepted_tokens: _builtins.int
@@ -269,6 +305,10 @@ class GenerationStats(_message.Message):
     """Prompt lookup's part of num_drafts, draft_tokens and accepted_tokens."""
     lookup_draft_tokens: _builtins.int
     lookup_accepted_tokens: _builtins.int
+    suffix_drafts: _builtins.int
+    """Suffix decoding's part of num_drafts, draft_tokens and accepted_tokens."""
+    suffix_draft_tokens: _builtins.int
+    suffix_accepted_tokens: _builtins.int
     @_builtins.property
     def accepted_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """accepted_per_position[i]: rounds that kept draft token i."""
@@ -299,10 +339,13 @@ class GenerationStats(_message.Message):
         lookup_drafts: _builtins.int = ...,
         lookup_draft_tokens: _builtins.int = ...,
         lookup_accepted_tokens: _builtins.int = ...,
+        suffix_drafts: _builtins.int = ...,
+        suffix_draft_tokens: _builtins.int = ...,
+        suffix_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_rate", b"acceptance_rate", "accepted_per_position", b"accepted_per_position", "accepted_tokens", b"accepted_tokens", "alternatives", b"alternatives", "completion_tokens", b"completion_tokens", "degraded", b"degraded", "draft_forward_seconds", b"draft_forward_seconds", "draft_seconds", b"draft_seconds", "draft_tokens", b"draft_tokens", "first_token_seconds", b"first_token_seconds", "kept_alternatives", b"kept_alternatives", "lookup_accepted_tokens", b"lookup_accepted_tokens", "lookup_draft_tokens", b"lookup_draft_tokens", "lookup_drafts", b"lookup_drafts", "mean_accepted_length", b"mean_accepted_length", "num_drafts", b"num_drafts", "prompt_tokens", b"prompt_tokens", "resyncs", b"resyncs", "rounds", b"rounds", "total_seconds", b"total_seconds", "verify_forward_seconds", b"verify_forward_seconds", "verify_seconds", b"verify_seconds", "wire_bytes", b"wire_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_rate", b"acceptance_rate", "accepted_per_position", b"accepted_per_position", "accepted_tokens", b"accepted_tokens", "alternatives", b"alternatives", "completion_tokens", b"completion_tokens", "degraded", b"degraded", "draft_forward_seconds", b"draft_forward_seconds", "draft_seconds", b"draft_seconds", "draft_tokens", b"draft_tokens", "first_token_seconds", b"first_token_seconds", "kept_alternatives", b"kept_alternatives", "lookup_accepted_tokens", b"lookup_accepted_tokens", "lookup_draft_tokens", b"lookup_draft_tokens", "lookup_drafts", b"lookup_drafts", "mean_accepted_length", b"mean_accepted_length", "num_drafts", b"num_drafts", "prompt_tokens", b"prompt_tokens", "resyncs", b"resyncs", "rounds", b"rounds", "suffix_accepted_tokens", b"suffix_accepted_tokens", "suffix_draft_tokens", b"suffix_draft_tokens", "suffix_drafts", b"suffix_drafts", "total_seconds", b"total_seconds", "verify_forward_seconds", b"verify_forward_seconds", "verify_seconds", b"verify_seconds", "wire_bytes", b"wire_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
