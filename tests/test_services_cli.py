@@ -91,8 +91,8 @@ def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) ->
 
 def test_demo_streams_an_answer_and_compares_with_target_only(
         tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
-    """`make demo`'s command, on the tiny pair: warm-up, adaptive run, target-only and
-    adaptive runs in turn, the same tokens, and the stack stopped."""
+    """`make demo`'s command, on the tiny pair: warm-up, adaptive run, then new prompts
+    speculative and target-only in turn, the same tokens, and the stack stopped."""
     target, draft = tiny_pair
     env = {**os.environ, "SPECDEC_TORCH_THREADS": "1", "SPECDEC_METRICS_PORT": "0",
            "SPECDEC_TRACING": "off"}
@@ -103,7 +103,7 @@ def test_demo_streams_an_answer_and_compares_with_target_only(
     assert result.returncode == 0, result.stdout + result.stderr
     assert "speculative decoding, adaptive draft length" in result.stdout
     assert "identical output: yes" in result.stdout
-    assert "median of 2 runs each" in result.stdout
+    assert "median of 2 prompts" in result.stdout
     assert "stopped: coordinator exit 0, draft exit 0, target exit 0" in result.stdout
 
 
