@@ -37,7 +37,8 @@ TELEMETRY = "telemetry"
 CPU_KERNELS = "advanced: CPU kernels"
 SECURITY = "security"
 HTTP = "HTTP API"
-GROUPS = (MODELS, SERVICE, SPECULATION, LIMITS, SECURITY, HTTP, TELEMETRY, CPU_KERNELS)
+BENCH = "benchmark"
+GROUPS = (MODELS, SERVICE, SPECULATION, LIMITS, SECURITY, HTTP, TELEMETRY, CPU_KERNELS, BENCH)
 
 
 def env_name(flag: str) -> str:
@@ -79,6 +80,8 @@ ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 COMPILE_CHOICES = ("auto", "on", "off")
 # SpeculationParams.method: where a round's proposals come from (coordinator.validation).
 SPECULATION_METHODS = ("auto", "draft", "suffix", "lookup", "none")
+# `specdec bench --workload` (specdec.bench.workloads): "all" runs each in one run.
+BENCH_WORKLOADS = ("prompts", "repetition", "all")
 DEFAULT_PORTS = {"coordinator": 50051, "draft": 50052, "target": 50053}
 DEFAULT_METRICS_PORTS = {"coordinator": 9464, "draft": 9465, "target": 9466}
 
@@ -274,6 +277,11 @@ _ALL = (
             "-1 = no HTTP API)", HTTP, type=int),
     Setting("coordinator-endpoint", "127.0.0.1:50051",
             "the coordinator the HTTP API calls, host:port", HTTP),
+    # `specdec bench`'s own (not the services')
+    Setting("workload", "prompts",
+            "what `specdec bench` runs: prompts (the hand-written set), repetition (generated "
+            "code edits, JSON extraction and multi-turn chat quoting earlier answers) or all "
+            "(both in one run, with ratios per workload)", BENCH, choices=BENCH_WORKLOADS),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}

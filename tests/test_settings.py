@@ -90,7 +90,7 @@ def test_serve_flags_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> 
     parser = serve_parser()
     args = parser.parse_args(["target"])
     flagged = [s for s in SETTINGS.values() if s.flag and s.name != "max-adaptive-length"
-               and s.group != settings.HTTP]  # `specdec http`'s, not the services'
+               and s.group not in (settings.HTTP, settings.BENCH)]  # not the services'
     for setting in flagged:
         expected = 7 if setting.name == "num-draft-tokens" else setting.default
         assert getattr(args, setting.dest) == expected, setting.name

@@ -171,6 +171,7 @@ class RunRecord:
     lookup_accepted_tokens: int = 0  # and of accepted_tokens
     chosen: list[int] = field(default_factory=list)  # per-round draft lengths (local only)
     token_ids: list[int] = field(default_factory=list)  # greedy runs only
+    workload: str = "prompts"  # the prompt's (specdec.bench.workloads)
 
     @property
     def tokens_per_s(self) -> float:

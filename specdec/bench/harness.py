@@ -35,7 +35,8 @@ from specdec.bench.configs import (
     build_configs,
 )
 from specdec.bench.costs import CostCurve, measure_costs
-from specdec.bench.prompts import BenchPrompt, chat_encoder, load_prompts, select
+from specdec.bench.prompts import BenchPrompt, chat_encoder, prompt_encoder, select
+from specdec.bench.workloads import workload_prompts
 from specdec.core.adaptive import CostModel
 from specdec.engine.attention import resolve_attention
 from specdec.engine.feature_draft import is_feature_draft
@@ -84,6 +85,7 @@ class BenchSettings:
     compare_dtypes: tuple[str, ...] = ()
     warmup_tokens: int = 40
     progress: bool = True
+    workload: str = default("workload")  # specdec.bench.workloads: prompts, repetition, all
     startup_timeout_s: float = 300.0
 
     @property
@@ -276,6 +278,7 @@ class Bench:
                                                    settings.attention_kernel)
         self.grpc = grpc
         self.encode = chat_encoder(models.tokenizer)
+        self.encode_prompt = prompt_encoder(models.tokenizer)
 
     def run_one(self, config: BenchConfig, mode_name: str, prompt_ids: list[int],
                 max_new_tokens: int, seed: int) -> RunRecord:
@@ -322,7 +325,7 @@ class Bench:
         records: list[RunRecord] = []
         for repeat in range(self.settings.repeats):
             for prompt in prompts:
-                ids = self.encode(prompt.text)
+                ids = self.encode_prompt(prompt)
                 for mode in self.runs_for(prompt, prompts):
                     seed = stable_seed(prompt.id, repeat, mode)
                     for config in self.mode_configs[mode]:
@@ -330,7 +333,7 @@ class Bench:
                         record = self.run_one(config, mode, ids, self.settings.max_new_tokens,
                                               seed)
                         record.prompt_id, record.category = prompt.id, prompt.category
-                        record.repeat = repeat
+                        record.repeat, record.workload = repeat, prompt.workload
                         records.append(record)
         return records
 
@@ -370,7 +373,8 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
         torch.set_num_threads(settings.torch_threads)
     started = time.perf_counter()
     start_machine = machine_info()
-    prompts = select(prompts if prompts is not None else load_prompts(), settings.per_category)
+    prompts = select(prompts if prompts is not None else workload_prompts(settings.workload),
+                     settings.per_category)
     draft_trained = None
     if models is None and settings.draft_model == DEFAULT_DRAFT:
         from specdec.engine.draft_fallback import default_draft_or_truncated
@@ -416,6 +420,7 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
                 grpc.close()
     meta = {"machine": machine_info(), "machine_at_start": start_machine,
             "draft_trained": draft_trained, "prompts": len(prompts),
+            "workloads": sorted({p.workload for p in prompts}),
             "assistant_model": assistant_model(settings, models.draft),
             "draft_precision": models.draft_precision_detail or models.draft_precision,
             "grpc_draft_precision": grpc_draft_precision,

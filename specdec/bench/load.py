@@ -3,7 +3,9 @@
 At each concurrency level C, C client threads share a queue of requests (the committed
 prompt set, greedy) and each sends its next GenerateStream as soon as its last one ends.
 The modes (target-only, a fixed draft length, adaptive) run one after another within a
-level, so the machine's drift over the run falls on all of them alike.
+level, so the machine's drift over the run falls on all of them alike. With several
+workloads (`--workload all`) each runs on its own within a level, its modes in turn, so
+every workload has its own throughput and its ratio over target-only at that level.
 
 Measures, with the meanings of vLLM's `bench serve`:
 - output throughput: output tokens of the level's successful requests over the level's
@@ -92,6 +94,7 @@ class LoadPrompt:
     id: str
     token_ids: list[int]  # empty: `text` goes as a chat prompt, tokenized by the coordinator
     text: str = ""
+    workload: str = "prompts"  # specdec.bench.workloads
 
 
 @dataclass
@@ -117,6 +120,7 @@ class LevelRun:
     concurrency: int
     wall_s: float
     records: list[RequestRecord]
+    workload: str = "prompts"
 
 
 def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
@@ -176,7 +180,8 @@ def stream_one(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
 def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
               concurrency: int, prompts: Sequence[LoadPrompt], requests: int,
               max_new_tokens: int, timeout_s: float,
-              on_done: Callable[[RequestRecord], None] = lambda record: None) -> LevelRun:
+              on_done: Callable[[RequestRecord], None] = lambda record: None,
+              workload: str = "prompts") -> LevelRun:
     """`requests` requests over the prompts in turn, from `concurrency` closed-loop clients."""
     work: queue.Queue[LoadPrompt] = queue.Queue()
     for index in range(requests):
@@ -207,7 +212,7 @@ def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
         while not work.empty():
             work.get_nowait()
         raise
-    return LevelRun(mode.name, concurrency, time.perf_counter() - started, records)
+    return LevelRun(mode.name, concurrency, time.perf_counter() - started, records, workload)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -239,7 +244,8 @@ def summarise_level(run: LevelRun, serial: dict[str, list[int]]) -> dict[str, An
     rounds = sum(r.rounds for r in ok)
     draft_tokens = sum(r.draft_tokens for r in ok)
     return {
-        "mode": run.mode, "concurrency": run.concurrency, "requests": len(run.records),
+        "mode": run.mode, "concurrency": run.concurrency, "workload": run.workload,
+        "requests": len(run.records),
         "completed": len(ok), "wall_s": round(run.wall_s, 3),
         "output_tokens": output_tokens,
         "output_throughput": round(output_tokens / run.wall_s, 2) if run.wall_s > 0 else 0.0,
@@ -292,11 +298,16 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
         raise ValueError(f"concurrency levels must be positive integers, got {levels}")
     target_only = LoadMode(TARGET_ONLY, 0, temperature=settings.temperature,
                            top_p=settings.top_p)
-    plan = [(level, mode) for level in levels for mode in modes]
+    by_workload: dict[str, list[LoadPrompt]] = {}
+    for prompt in prompts:
+        by_workload.setdefault(prompt.workload, []).append(prompt)
+    plan = [(level, workload, mode) for level in levels for workload in by_workload
+            for mode in modes]
     # Sampled outputs have no serial reference to equal: nothing to compare.
     reference_in_plan = settings.temperature > 0 or any(
-        level == 1 and mode == target_only for level, mode in plan)
-    total = sum(requests_at(level, len(prompts), settings.min_rounds) for level, _ in plan)
+        level == 1 and mode == target_only for level, _, mode in plan)
+    total = sum(requests_at(level, len(by_workload[workload]), settings.min_rounds)
+                for level, workload, _ in plan)
     if not reference_in_plan:
         total += len(prompts)
     done = 0
@@ -324,26 +335,43 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
                               settings.max_new_tokens, settings.timeout_s,
                               progress("serial reference", 0))
         serial = {r.prompt_id: r.token_ids for r in reference.records if r.code == "OK"}
-    for level, mode in plan:
-        run = run_level(stub, mode, level, prompts,
-                        requests_at(level, len(prompts), settings.min_rounds),
-                        settings.max_new_tokens, settings.timeout_s,
-                        progress(f"{mode.name} c={level}", 0))
+    several = len(by_workload) > 1
+    for level, workload, mode in plan:
+        chosen = by_workload[workload]
+        label = f"{mode.name} c={level}" + (f" {workload}" if several else "")
+        run = run_level(stub, mode, level, chosen,
+                        requests_at(level, len(chosen), settings.min_rounds),
+                        settings.max_new_tokens, settings.timeout_s, progress(label, 0),
+                        workload)
         if level == 1 and mode == target_only and settings.temperature == 0:
-            serial = {r.prompt_id: r.token_ids for r in run.records if r.code == "OK"}
+            serial.update({r.prompt_id: r.token_ids for r in run.records if r.code == "OK"})
         runs.append(run)
     if interactive:
         out.write("\n")
-    rows = [summarise_level(run, serial) for run in runs]
-    return {"settings": {**asdict(settings), "prompts": len(prompts)},
+    rows = with_ratios([summarise_level(run, serial) for run in runs])
+    return {"settings": {**asdict(settings), "prompts": len(prompts),
+                         "workloads": list(by_workload)},
             "meta": {**(meta or {}), "wall_s": round(time.perf_counter() - started, 1)},
             "levels": rows,
             "requests": [asdict(r) for run in runs for r in run.records]}
 
 
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's output throughput over target-only's at its level and workload (None
+    where target-only did not run there)."""
+    base = {(row["concurrency"], row["workload"]): row["output_throughput"]
+            for row in rows if row["mode"] == TARGET_ONLY}
+    for row in rows:
+        reference = base.get((row["concurrency"], row["workload"]))
+        row["speedup"] = (round(row["output_throughput"] / reference, 3)
+                          if reference and row["mode"] != TARGET_ONLY else None)
+    return rows
+
+
 # -- report ----------------------------------------------------------------------------
-COLUMNS = (("concurrency", "clients"), ("mode", "mode"), ("completed", "ok"),
-           ("output_throughput", "out tok/s"), ("request_throughput", "req/s"),
+COLUMNS = (("concurrency", "clients"), ("mode", "mode"), ("workload", "workload"),
+           ("completed", "ok"), ("output_throughput", "out tok/s"),
+           ("speedup", "x target-only"), ("request_throughput", "req/s"),
            ("p50_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
            ("mean_tpot_ms", "TPOT mean ms"), ("p50_itl_ms", "ITL p50 ms"),
            ("p99_itl_ms", "ITL p99 ms"), ("p50_e2e_ms", "E2E p50 ms"),
@@ -363,7 +391,9 @@ def _cell(value: Any) -> str:
 def render_markdown(report: dict[str, Any], command: str) -> str:
     settings, meta = report["settings"], report["meta"]
     lines = ["# specdec bench --concurrency", "", f"- command: `{command}`",
-             f"- {settings['prompts']} prompts, {_sampling(settings)}, "
+             f"- {settings['prompts']} prompts"
+             + (f" ({', '.join(settings['workloads'])})" if settings.get("workloads") else "")
+             + f", {_sampling(settings)}, "
              f"{settings['max_new_tokens']} new tokens; "
              f"modes {', '.join(settings['modes'])} interleaved at each level; closed-loop "
              "clients over GenerateStream",
@@ -375,17 +405,21 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
                          "load_average", [])))
     if "endpoint" in meta:
         lines.append(f"- coordinator: {meta['endpoint']}")
-    lines += ["", "| " + " | ".join(title for _, title in COLUMNS) + " |",
-              "|" + "---|" * len(COLUMNS)]
+    # The workload column only when the run had several.
+    columns = [(key, title) for key, title in COLUMNS
+               if key != "workload" or len(settings.get("workloads", [])) > 1]
+    lines += ["", "| " + " | ".join(title for _, title in columns) + " |",
+              "|" + "---|" * len(columns)]
     for row in report["levels"]:
-        lines.append("| " + " | ".join(_cell(row[key]) for key, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in columns) + " |")
     errors = [(row["mode"], row["concurrency"], row["errors"]) for row in report["levels"]
               if row["errors"]]
     lines += ["", "Errors by status code: " + ("; ".join(
         f"{mode} c={level}: " + ", ".join(f"{code} {count}" for code, count in codes.items())
         for mode, level, codes in errors) if errors else "none") + ".", "",
-        "TTFT: request to its first tokens. TPOT: (latency - TTFT) / (tokens - 1). ITL: "
-        "gaps between stream messages (one per round). mismatches: outputs that differ "
+        "x target-only: output throughput over target-only's at the same level (and "
+        "workload). TTFT: request to its first tokens. TPOT: (latency - TTFT) / (tokens - "
+        "1). ITL: gaps between stream messages (one per round). mismatches: outputs that differ "
         "from the serial target-only output of the same prompt (must be 0).", ""]
     return "\n".join(lines)
 
@@ -406,10 +440,13 @@ def write_plot(report: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4.2))
-    modes = list(dict.fromkeys(row["mode"] for row in report["levels"]))
-    for index, mode in enumerate(modes):
-        rows = sorted((r for r in report["levels"] if r["mode"] == mode),
+    series = list(dict.fromkeys((row["mode"], row.get("workload", "")) for row in report["levels"]))
+    several = len({workload for _, workload in series}) > 1
+    for index, (name, workload) in enumerate(series):
+        rows = sorted((r for r in report["levels"]
+                       if (r["mode"], r.get("workload", "")) == (name, workload)),
                       key=lambda r: r["concurrency"])
+        mode = f"{name} {workload}" if several else name
         xs = [r["concurrency"] for r in rows]
         color = f"C{index}"
         throughput.plot(xs, [r["output_throughput"] for r in rows], marker="o", color=color,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specdec.bench.configs import GRPC, GRPC_TARGET_ONLY, HF_ASSISTED, LOCAL, TARGET_ONLY
-from specdec.bench.report import ALL
+from specdec.bench.report import ALL, WORKLOAD, is_category
 
 
 def _f(value: Any, fmt: str = "{:.2f}", missing: str = "-") -> str:
@@ -57,7 +57,7 @@ def config_table(mode: dict[str, Any]) -> list[str]:
 
 
 def category_table(mode: dict[str, Any]) -> list[str]:
-    categories = [c for c in next(iter(mode.values())) if c not in ("system", "length", ALL)]
+    categories = [c for c in next(iter(mode.values())) if is_category(c)]
     lines = ["| configuration | " + " | ".join(categories) + " |",
              "|---|" + "---|" * len(categories)]
     for name, entry in mode.items():
@@ -69,6 +69,28 @@ def category_table(mode: dict[str, Any]) -> list[str]:
                 cell += f", {s['speedup']:.2f}x"
             if s.get("alpha") is not None:
                 cell += f", a={s['alpha']:.2f}"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def workload_table(mode: dict[str, Any]) -> list[str]:
+    """Each workload's tokens/s and ratios: over target-only in process and, for specdec
+    over gRPC, over target-only through the same services."""
+    workloads = [key for key in next(iter(mode.values())) if key.startswith(WORKLOAD)]
+    if not workloads:
+        return []
+    lines = ["| configuration | " + " | ".join(w.removeprefix(WORKLOAD) for w in workloads)
+             + " |", "|---|" + "---|" * len(workloads)]
+    for name, entry in mode.items():
+        cells = []
+        for workload in workloads:
+            s = entry.get(workload, {})
+            cell = f"{_f(s.get('tokens_per_s'), '{:.2f}')} tok/s"
+            if s.get("speedup") is not None and entry["system"] != TARGET_ONLY:
+                cell += f", {s['speedup']:.2f}x"
+            if s.get("speedup_same_shape") is not None:
+                cell += f", {s['speedup_same_shape']:.2f}x same shape"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
@@ -184,7 +206,9 @@ def render(result: dict[str, Any], summary: dict[str, Any], command: str = "") -
               "cannot run a draft that reads the target's hidden states)"
               if meta.get("assistant_model", settings["draft_model"]) != settings["draft_model"]
               else ""),
-           f"- {meta['prompts']} prompts x {settings['repeats']} repeats, "
+           f"- {meta['prompts']} prompts"
+           + (f" ({', '.join(meta['workloads'])})" if meta.get("workloads") else "")
+           + f" x {settings['repeats']} repeats, "
            f"max_new_tokens {settings['max_new_tokens']}, modes {', '.join(settings['modes'])}; "
            f"wall {meta['wall_s'] / 60:.1f} min", "",
            "## Measured costs", "", *cost_table([result["costs"], *result["dtype_costs"]]), ""]
@@ -194,6 +218,9 @@ def render(result: dict[str, Any], summary: dict[str, Any], command: str = "") -
     for mode, configs in summary.items():
         out += [f"## {mode}", "", *config_table(configs), "", f"### {mode}: per category", "",
                 *category_table(configs), ""]
+        per_workload = workload_table(configs)
+        if per_workload:
+            out += [f"### {mode}: per workload", "", *per_workload, ""]
         same_shape = same_shape_table(configs)
         if same_shape:
             out += [f"### {mode}: specdec over gRPC against target-only over gRPC", "",

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.configs import HF_ASSISTED, SPECULATIVE
-from specdec.bench.report import ALL
+from specdec.bench.report import ALL, is_category
 
 SEGMENTS = (("draft_model_ms", "draft model"), ("draft_transport_ms", "draft wait - model"),
             ("target_model_ms", "target model"), ("target_transport_ms", "target wait - model"),
@@ -27,7 +27,7 @@ def speedup_plot(mode: str, configs: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    categories = [c for c in next(iter(configs.values())) if c not in ("system", "length")]
+    categories = [c for c in next(iter(configs.values())) if c == ALL or is_category(c)]
     systems = [s for s in SPECULATIVE if any(e["system"] == s for e in configs.values())]
     fig, axes = plt.subplots(1, len(systems), figsize=(6 * len(systems), 4.2), squeeze=False)
     for ax, system in zip(axes[0], systems, strict=True):

@@ -19,7 +19,22 @@ CATEGORIES = ("chat", "story", "factual", "code")
 class BenchPrompt:
     id: str
     category: str
-    text: str
+    text: str  # the last user turn
+    workload: str = "prompts"  # specdec.bench.workloads.WORKLOADS
+    # Earlier turns of a conversation, (role, content) in order; empty: one user turn.
+    history: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def messages(self) -> list[tuple[str, str]]:
+        """The conversation as (role, content): the history, then the user's `text`."""
+        return [*self.history, ("user", self.text)]
+
+    @property
+    def transcript(self) -> str:
+        """The conversation as plain text (the text alone for one user turn)."""
+        if not self.history:
+            return self.text
+        return "\n\n".join(f"{role}: {content}" for role, content in self.messages)
 
 
 def load_prompts(path: Path = PROMPTS_FILE) -> list[BenchPrompt]:
@@ -43,12 +58,20 @@ def select(prompts: list[BenchPrompt], per_category: int | None) -> list[BenchPr
 
 def chat_encoder(tokenizer: object | None) -> Callable[[str], list[int]]:
     """Prompt text -> token ids the way `specdec generate --chat` sends them."""
-    if tokenizer is None:  # tiny test models: a deterministic byte-level stand-in
-        return lambda text: [3 + (byte % 50) for byte in text.encode()][:48]
+    encode = prompt_encoder(tokenizer)
+    return lambda text: encode(BenchPrompt("", "", text))
 
-    def encode(text: str) -> list[int]:
+
+def prompt_encoder(tokenizer: object | None) -> Callable[[BenchPrompt], list[int]]:
+    """A prompt's conversation -> token ids in the chat template (one user turn the way
+    `specdec generate --chat` sends it)."""
+    if tokenizer is None:  # tiny test models: a deterministic byte-level stand-in
+        return lambda prompt: [3 + (byte % 50) for byte in prompt.transcript.encode()][:48]
+
+    def encode(prompt: BenchPrompt) -> list[int]:
         rendered = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            [{"role": role, "content": content} for role, content in prompt.messages],
+            add_generation_prompt=True, tokenize=False)
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
 
     return encode

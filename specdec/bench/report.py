@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from specdec.bench.configs import GRPC, GRPC_TARGET_ONLY, SPECULATIVE, TARGET_ONLY, RunRecord
@@ -123,43 +123,66 @@ def _greedy_match(rows: list[RunRecord],
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
+WORKLOAD = "workload:"  # the prefix of a workload's group beside the categories
+
+
+def is_category(key: str) -> bool:
+    """Whether an entry's key names a category (not ALL, a workload or the config's facts)."""
+    return key not in ("system", "length", ALL) and not key.startswith(WORKLOAD)
+
+
+def _having(attribute: str, value: str) -> Callable[[RunRecord], bool]:
+    return lambda record: bool(getattr(record, attribute) == value)
+
+
+def _groups(records: list[RunRecord]) -> list[tuple[str, Callable[[RunRecord], bool]]]:
+    """ALL, each workload (when the run had more than one), then each category."""
+    groups: list[tuple[str, Callable[[RunRecord], bool]]] = [(ALL, lambda record: True)]
+    workloads = sorted({r.workload for r in records})
+    if len(workloads) > 1:
+        groups += [(WORKLOAD + name, _having("workload", name)) for name in workloads]
+    groups += [(category, _having("category", category))
+               for category in sorted({r.category for r in records})]
+    return groups
+
+
 def summarise(records: list[RunRecord], curve: CostCurve,
               other_draft_systems: tuple[str, ...] = ()) -> dict[str, Any]:
-    """{mode: {config: {category: stats}}} plus speedups, bound ratios and greedy match.
+    """{mode: {config: {group: stats}}} plus speedups, bound ratios and greedy match; the
+    groups are ALL, "workload:NAME" per workload when there are several, and the categories.
 
     other_draft_systems run another draft than the one `curve` measured: no bound."""
     grouped: dict[str, dict[str, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
     for record in records:
         grouped[record.mode][record.config].append(record)
+    groups = _groups(records)
     summary: dict[str, Any] = {}
     for mode, configs in grouped.items():
         baseline_rows = configs.get(TARGET_ONLY, [])
         grpc_baseline_rows = configs.get(GRPC_TARGET_ONLY, [])
         baseline_tokens = {(r.prompt_id, r.repeat): r.token_ids for r in baseline_rows}
-        categories = sorted({r.category for r in records})
         mode_out: dict[str, Any] = {}
         for name, rows in configs.items():
             entry: dict[str, Any] = {"system": rows[0].system, "length": rows[0].length}
-            for category in [ALL, *categories]:
-                subset = [r for r in rows if category == ALL or r.category == category]
+            for group, member in groups:
+                subset = [r for r in rows if member(r)]
                 if not subset:
                     continue
                 stats = group_stats(subset, curve,
                                     with_bound=rows[0].system not in other_draft_systems)
-                base = [r for r in baseline_rows if category == ALL or r.category == category]
+                base = [r for r in baseline_rows if member(r)]
                 if base:
                     base_stats = group_stats(base, curve)
                     stats["speedup"] = stats["tokens_per_s"] / base_stats["tokens_per_s"]
                     if "bound" in stats and rows[0].system in SPECULATIVE:
                         stats["bound_ratio"] = stats["speedup"] / stats["bound"]
                 if rows[0].system == GRPC and name != GRPC_TARGET_ONLY:
-                    same_base = [r for r in grpc_baseline_rows
-                                 if category == ALL or r.category == category]
+                    same_base = [r for r in grpc_baseline_rows if member(r)]
                     stats.update(same_shape_stats(subset, same_base))
                 match = _greedy_match(subset, baseline_tokens) if mode == "greedy" else None
                 if match is not None:
                     stats["greedy_match"] = match
-                entry[category] = stats
+                entry[group] = stats
             mode_out[name] = entry
         summary[mode] = mode_out
     return summary

@@ -49,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                 "dtype of every system: bfloat16, float32 (the draft's: see --draft-dtype)")
     add_settings(parser, ["backend", "torch-threads", "linear-kernel", "attention-kernel",
                           "draft-dtype", "draft-linear-kernel", "draft-compile"])
+    # prompts, repetition (specdec.bench.workloads) or all: both, with ratios per workload;
+    # also for --concurrency.
+    add_settings(parser, ["workload"], grouped=False)
     # None = not set by flag or environment, so that --quick can turn the compile off.
     parser.set_defaults(draft_compile=os.environ.get(env_name("--draft-compile")) or None)
     parser.add_argument("--grpc-torch-threads", type=int, default=0,
@@ -141,7 +144,7 @@ def settings_from_args(args: argparse.Namespace) -> object:
         calibration_repeats=int(pick("calibration_repeats", 7)),  # type: ignore[call-overload]
         compare_dtypes=_csv(args.compare_dtypes),
         warmup_tokens=int(quick.get("warmup_tokens", 40)),  # type: ignore[call-overload]
-        progress=not args.no_progress)
+        progress=not args.no_progress, workload=args.workload)
 
 
 def other_draft_systems(data: dict) -> tuple[str, ...]:
@@ -261,7 +264,8 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
 
     from specdec.bench.harness import machine_info
     from specdec.bench.load import LoadPrompt, LoadSettings, run_load, write_outputs
-    from specdec.bench.prompts import chat_encoder, load_prompts, select
+    from specdec.bench.prompts import prompt_encoder, select
+    from specdec.bench.workloads import workload_prompts
     from specdec.engine.models import load_tokenizer
     from specdec.proto.specdec.v1 import coordinator_pb2_grpc
 
@@ -297,14 +301,15 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
     try:
         if stack is not None:
             stack.wait()
-        chosen = select(load_prompts(), per_category)
+        chosen = select(workload_prompts(args.workload), per_category)
         try:
-            encode = chat_encoder(load_tokenizer(args.target_model))
-            prompts = [LoadPrompt(p.id, encode(p.text)) for p in chosen]
+            encode = prompt_encoder(load_tokenizer(args.target_model))
+            prompts = [LoadPrompt(p.id, encode(p), workload=p.workload) for p in chosen]
         except (OSError, ValueError) as error:  # the coordinator applies its own template
             print(f"no local tokenizer for {args.target_model} ({error}); sending the "
-                  "prompts as text", file=sys.stderr)
-            prompts = [LoadPrompt(p.id, [], p.text) for p in chosen]
+                  "prompts as text (a conversation as its transcript in one user turn)",
+                  file=sys.stderr)
+            prompts = [LoadPrompt(p.id, [], p.transcript, p.workload) for p in chosen]
         with grpc.insecure_channel(endpoint) as channel:
             report = run_load(coordinator_pb2_grpc.CoordinatorStub(channel), settings, prompts,
                               meta={"machine": machine_info(), "endpoint": endpoint,
