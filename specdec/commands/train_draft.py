@@ -3,6 +3,10 @@
 Stages: data (target continuations + top-k distributions, sharded), train (distillation,
 checkpointed), eval (held-out acceptance and costs), card (model card from the figures).
 Each stage resumes from what the previous run left in --work-dir.
+
+`--stream` runs streaming self-distillation instead (specdec/draft_training/stream.py):
+the target labels contexts as they are produced and the draft trains on them, from the
+committed draft (or the checkpoint in --work-dir), for --time-budget-min.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ ASSET_DIR = models.DRAFT_DIR
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train-draft", help="build the default draft (resumable)")
-    parser.add_argument("stages", nargs="*", default=list(STAGES), choices=STAGES,
-                        help="stages to run (default: all, in order)")
+    # A type check, not `choices`: Python 3.11's argparse checks an empty "*" positional's
+    # default list against the choices and refuses a bare `specdec train-draft`.
+    parser.add_argument("stages", nargs="*", default=list(STAGES), type=_stage,
+                        help=f"stages to run: {', '.join(STAGES)} (default: all, in order)")
     add_data_settings(parser, ASSET_DIR)
     add_setting(parser, "--draft-layers", 2, "transformer layers in the draft", type=int)
     add_setting(parser, "--draft-vocab", 8192, "reduced vocabulary of the draft head", type=int)
@@ -32,7 +38,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                 "continue distilling this trained draft (a folder with token_map.json) "
                 "instead of starting from the target's first layers")
     add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
+    add_stream_settings(parser)
     parser.set_defaults(func=run)
+
+
+def _stage(name: str) -> str:
+    if name not in STAGES:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a stage ({', '.join(STAGES)})")
+    return name
+
+
+def add_stream_settings(parser: argparse.ArgumentParser) -> None:
+    from specdec.draft_training.stream_settings import PRODUCERS, StreamSettings
+
+    defaults = StreamSettings()
+    group = parser.add_argument_group("streaming self-distillation (--stream)")
+    group.add_argument("--stream", action="store_true",
+                       help="distil on a stream of freshly labelled contexts instead of "
+                            "the stages (resumable; --work-dir/stream)")
+    add_setting(group, "--time-budget-min", defaults.time_budget_s / 60,
+                "minutes of streaming this run", type=float)
+    add_setting(group, "--producer", defaults.producer, "what writes the text the target "
+                "labels", choices=PRODUCERS)
+    add_setting(group, "--stream-lr", defaults.lr, "peak learning rate", type=float)
+    add_setting(group, "--stream-from", str(ASSET_DIR),
+                "the draft a new run starts from (a folder with token_map.json)")
+    add_setting(group, "--stream-out", "",
+                "where the streamed draft is written (default: --work-dir/stream/draft)")
+    group.add_argument("--measure-producers", action="store_true",
+                       help="print each producer's labelled tokens/s and exit")
 
 
 def add_data_settings(parser: argparse.ArgumentParser, out_dir: Path) -> None:
@@ -73,6 +107,8 @@ def generate_data(args: argparse.Namespace, target_dir: str, work_dir: Path) -> 
 def run(args: argparse.Namespace) -> int:
     work_dir, out_dir = Path(args.work_dir), Path(args.out_dir)
     target_dir = str(models.prepare_smollm2())
+    if args.stream or args.measure_producers:
+        return run_stream(args, target_dir, work_dir / "stream")
     if "data" in args.stages:
         generate_data(args, target_dir, work_dir)
     if "train" in args.stages:
@@ -109,3 +145,24 @@ def evaluate_draft(target_dir: str, draft_dir: Path, num_prompts: int) -> dict:
                                token_map=draft.token_map)
     assert target.tokenizer is not None
     return evaluate(draft_runner, target_runner, target.tokenizer, num_prompts=num_prompts)
+
+
+def run_stream(args: argparse.Namespace, target_dir: str, work_dir: Path) -> int:
+    from dataclasses import replace
+
+    from specdec.bench.prompts import load_prompts
+    from specdec.draft_training.stream import measure, stream_distill
+    from specdec.draft_training.stream_settings import StreamSettings
+
+    settings = replace(StreamSettings(), time_budget_s=args.time_budget_min * 60,
+                       producer=args.producer, lr=args.stream_lr)
+    bench = [prompt.text for prompt in load_prompts()]  # never a training turn
+    if args.measure_producers:
+        print(json.dumps(measure(target_dir, Path(args.stream_from), settings, bench), indent=2))
+        return 0
+    out_dir = Path(args.stream_out) if args.stream_out else work_dir / "draft"
+    summary = stream_distill(target_dir, Path(args.stream_from), work_dir, out_dir, settings,
+                             excluded=bench)
+    print(json.dumps({k: v for k, v in summary.items() if k != "curve"}, indent=2))
+    print(f"draft, curve and plot: {out_dir}")
+    return 0

@@ -1,0 +1,140 @@
+"""The held-out curve of streaming distillation: how often the draft would be accepted.
+
+The held-out set is everyday chat no training context holds: the held-out prompts of the
+project's prompt sets, each answered greedily by the target. Teacher-forced along those
+answers, two figures per draft:
+- top-1 agreement: the share of positions where the draft's most probable token is the
+  target's next token (under greedy verification, exactly when a drafted token is
+  accepted; a target token outside the draft's vocabulary counts as a miss);
+- expected acceptance: the mean of sum_x min(p(x), q(x)), the probability that a token
+  sampled from the draft is accepted at T=1 (docs/design.md, "The exactness contract").
+Each checkpoint appends both, with the tokens trained on so far, to a JSON log; the plot
+of the log sits next to the model card.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaForCausalLM, PreTrainedModel
+
+from specdec.draft_training.datagen import PROMPT_SETS, interleave_by_category
+from specdec.draft_training.producers import generate
+from specdec.draft_training.prompts import split
+from specdec.draft_training.stream_prompts import ChatFormat
+
+CURVE_FILE = "stream_curve.json"
+PLOT_FILE = "heldout_curve.png"
+
+
+def held_out_chat(count: int) -> list[str]:
+    """The first `count` held-out prompts, the prompt sets and their categories in turn."""
+    per_set = [interleave_by_category(split(make())[1]) for _, make in PROMPT_SETS.values()]
+    mixed = [p.text for group in zip(*per_set, strict=False) for p in group]
+    return mixed[:count]
+
+
+@dataclass
+class HeldOutSet:
+    sequences: list[list[int]]  # chat prompt + the target's greedy answer
+    answer_starts: list[int]
+    target_probs: list[torch.Tensor]  # [answer length, draft rows]: p on the mapped ids
+    token_map: list[int]
+
+
+def build_held_out(target: PreTrainedModel, tokenizer, token_map: list[int], count: int,
+                   max_new_tokens: int) -> HeldOutSet:
+    chat = ChatFormat(tokenizer)
+    prompts = [chat.user_turn(text) for text in held_out_chat(count)]
+    answers, _ = generate(target, prompts, 0.0, max_new_tokens, chat.end_of_turn,
+                          pad=chat.end_of_turn)
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    mapped = torch.tensor(token_map)
+    probs = []
+    with torch.inference_mode():
+        for prompt, sequence in zip(prompts, sequences, strict=True):
+            logits = target(input_ids=torch.tensor([sequence])).logits[0, len(prompt) - 1:-1]
+            probs.append(torch.softmax(logits.float(), dim=-1)[:, mapped].to(torch.float16))
+    return HeldOutSet(sequences, [len(p) for p in prompts], probs, token_map)
+
+
+def load_or_build_held_out(path: Path, target: PreTrainedModel, tokenizer,
+                           token_map: list[int], count: int,
+                           max_new_tokens: int) -> HeldOutSet:
+    """The cached held-out set when it was built for this token map and size, else a new
+    one (cached for the next run)."""
+    key = hashlib.sha256(json.dumps([token_map, count, max_new_tokens]).encode()).hexdigest()
+    if path.exists():
+        cached = torch.load(path)
+        if cached.get("key") == key:
+            return HeldOutSet(**cached["held_out"])
+    held_out = build_held_out(target, tokenizer, token_map, count, max_new_tokens)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "held_out": held_out.__dict__}, path)
+    return held_out
+
+
+def measure_agreement(draft: LlamaForCausalLM, held_out: HeldOutSet) -> dict[str, float]:
+    """Top-1 agreement and expected acceptance of the draft (float32 forward, one
+    sequence at a time so no padding enters)."""
+    token_map = torch.tensor(held_out.token_map)
+    unk_row = len(held_out.token_map)
+    input_map = torch.full((int(max(held_out.token_map)) + 1,), unk_row)
+    input_map[token_map] = torch.arange(unk_row)
+    matches = positions = 0
+    accepted = 0.0
+    was_training = draft.training
+    draft.eval()
+    with torch.inference_mode():
+        for sequence, start, p in zip(held_out.sequences, held_out.answer_starts,
+                                      held_out.target_probs, strict=True):
+            ids = torch.tensor(sequence)
+            rows = input_map[ids.clamp_max(len(input_map) - 1)]
+            rows[ids >= len(input_map)] = unk_row
+            logits = draft(input_ids=rows[None]).logits[0, start - 1:-1, :unk_row].float()
+            q = torch.softmax(logits, dim=-1)
+            following = ids[start:]
+            matches += int((token_map[q.argmax(-1)] == following).sum())
+            accepted += float(torch.minimum(p.float(), q).sum())
+            positions += len(following)
+    draft.train(was_training)
+    return {"top1_agreement": matches / max(1, positions),
+            "expected_acceptance": accepted / max(1, positions), "positions": positions}
+
+
+def read_curve(path: Path) -> list[dict[str, Any]]:
+    return list(json.loads(path.read_text())) if path.exists() else []
+
+
+def write_curve(path: Path, curve: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(curve, indent=1))
+    tmp.rename(path)
+
+
+def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Held-out top-1 agreement and expected acceptance against labelled tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = [entry["tokens"] for entry in curve]
+    figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    axes.plot(tokens, [e["top1_agreement"] for e in curve], marker="o",
+              label="top-1 agreement (greedy acceptance)")
+    axes.plot(tokens, [e["expected_acceptance"] for e in curve], marker="s",
+              label="sum min(p, q) (T=1 acceptance)")
+    axes.set_xlabel("target-labelled tokens trained on (this stage)")
+    axes.set_ylabel("held-out, per token")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

@@ -1,0 +1,243 @@
+"""Producers of labelled contexts for streaming distillation.
+
+A labelled context is the record `train._loss` consumes: prompt_ids, new_ids (the text
+the draft learns to continue) and, at each position of new_ids, the target's T=1
+distribution as its top-k target ids and probabilities (`train._loss` restricts it to the
+draft vocabulary). Two producers make them:
+
+- `DraftWrittenProducer`: the draft samples the answers (it is small, so this is quick)
+  and the target scores the whole text in one forward, as DistillSpec does: the draft
+  learns on the text it writes itself.
+- `TargetDecodingProducer`: the target writes the answers and its distribution at each
+  step is the label, decoded either with transformers' `generate` or with the project's
+  batched runner (`ModelRunner.extend_batch`, one packed forward per step).
+
+Which is faster is measured by `measure_producers` (docs/models.md has the figures).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import LlamaForCausalLM, PreTrainedModel
+
+from specdec.core.history import TokenHistory
+from specdec.draft_training.stream_prompts import Context
+from specdec.draft_training.train import Record
+from specdec.engine.extend import ExtendRequest
+from specdec.engine.runner import ModelRunner
+
+
+def top_k_labels(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The T=1 distribution of each row of logits as (ids int32, probs float16), top k."""
+    top = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    return top.indices.to(torch.int32), top.values.to(torch.float16)
+
+
+def cut_at(ids: list[int], end: int) -> list[int]:
+    """ids up to and including the first `end`."""
+    return ids[: ids.index(end) + 1] if end in ids else ids
+
+
+def make_record(kind: str, temperature: float, prompt_ids: list[int], new_ids: list[int],
+                top_ids: torch.Tensor, top_probs: torch.Tensor) -> Record:
+    return {"prompt_ids": torch.tensor(prompt_ids, dtype=torch.int32),
+            "new_ids": torch.tensor(new_ids, dtype=torch.int32),
+            "topk_ids": top_ids, "topk_probs": top_probs,
+            "kind": kind, "temperature": temperature}  # type: ignore[dict-item]
+
+
+def score(target: PreTrainedModel, prompts: list[list[int]], answers: list[list[int]],
+          top_k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The target's labels for each answer after its prompt, from ONE forward over the
+    right-padded sequences in the target's dtype; the head runs on the answer rows only."""
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        mask[row, : len(sequence)] = 1
+    with torch.inference_mode():
+        hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        rows = torch.cat([torch.full((len(a),), row) for row, a in enumerate(answers)])
+        cols = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(a))
+                          for p, a in zip(prompts, answers, strict=True)])
+        top_ids, top_probs = top_k_labels(target.lm_head(hidden[rows, cols]), top_k)
+    lengths = [len(a) for a in answers]
+    return list(zip(top_ids.split(lengths), top_probs.split(lengths), strict=True))
+
+
+def generate(model: PreTrainedModel, prompts: list[list[int]], temperature: float,
+             max_new_tokens: int, end: int, *, pad: int, output_logits: bool = False,
+             suppress: list[int] | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
+    """transformers' generate over left-padded prompts (ids in the model's own rows): each
+    continuation cut after `end`, and the raw logits [B, new, V] when asked."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    greedy = temperature == 0.0
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]  # transformers' stub
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            do_sample=not greedy, **({} if greedy else {"temperature": temperature,
+                                                            "top_k": 0, "top_p": 1.0}),
+            eos_token_id=end, pad_token_id=pad, suppress_tokens=suppress,
+            return_dict_in_generate=True, output_logits=output_logits)
+    new = [cut_at(row.tolist(), end) for row in out.sequences[:, width:]]
+    logits = torch.stack(out.logits, dim=1) if output_logits else None
+    return new, logits
+
+
+class TargetWriter:
+    """The target sampling text (user turns for the conversation source)."""
+
+    def __init__(self, target: PreTrainedModel, end: int) -> None:
+        self.target, self.end = target, end
+
+    def __call__(self, prefixes: list[list[int]], temperature: float,
+                 max_new_tokens: int) -> list[list[int]]:
+        return generate(self.target, prefixes, temperature, max_new_tokens, self.end,
+                        pad=self.end)[0]
+
+
+class DraftWrittenProducer:
+    """The draft writes, the target labels by scoring. `load_draft_state` takes the
+    trainer's newer weights, so the text stays the current draft's."""
+
+    name = "draft-written"
+
+    def __init__(self, target: PreTrainedModel, draft: LlamaForCausalLM, token_map: list[int],
+                 end: int, *, top_k: int, max_new_tokens: int) -> None:
+        self.target, self.draft = target, draft.eval()
+        self.token_map = torch.tensor(token_map)
+        self.unk_row = len(token_map)
+        self.input_map = torch.full((int(target.config.vocab_size),), self.unk_row)
+        self.input_map[self.token_map] = torch.arange(self.unk_row)
+        self.end, self.top_k, self.max_new_tokens = end, top_k, max_new_tokens
+
+    def load_draft_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.draft.load_state_dict(state)
+
+    def produce(self, contexts: list[Context], temperature: float) -> list[Record]:
+        prompts = [c.prompt_ids for c in contexts]
+        end_row = int(self.input_map[self.end])
+        rows, _ = generate(self.draft, [self.input_map[torch.tensor(p)].tolist() for p in prompts],
+                           temperature, self.max_new_tokens, end_row, pad=end_row,
+                           suppress=[self.unk_row])  # the UNK row is never proposed
+        answers = [self.token_map[torch.tensor(r, dtype=torch.long)].tolist() for r in rows]
+        kept = [i for i, answer in enumerate(answers) if answer]
+        labels = score(self.target, [prompts[i] for i in kept], [answers[i] for i in kept],
+                       self.top_k)
+        return [make_record(contexts[i].kind, temperature, prompts[i], answers[i], *label)
+                for i, label in zip(kept, labels, strict=True)]
+
+
+class TargetDecodingProducer:
+    """The target writes and labels in the same pass: its distribution at each decoding
+    step. backend "generate": transformers' generate; "runner": the project's batched
+    runner, every live conversation's next token in one packed forward."""
+
+    def __init__(self, target: PreTrainedModel, end: int, *, top_k: int, max_new_tokens: int,
+                 backend: str = "generate", runner: ModelRunner | None = None,
+                 seed: int = 0) -> None:
+        self.name = f"target-{backend}"
+        self.target, self.end, self.backend = target, end, backend
+        self.top_k, self.max_new_tokens = top_k, max_new_tokens
+        self.runner = runner
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def produce(self, contexts: list[Context], temperature: float) -> list[Record]:
+        prompts = [c.prompt_ids for c in contexts]
+        if self.backend == "runner":
+            answers, step_logits = self._decode_on_runner(prompts, temperature)
+        else:
+            answers, logits = generate(self.target, prompts, temperature, self.max_new_tokens,
+                                       self.end, pad=self.end, output_logits=True)
+            assert logits is not None
+            step_logits = [logits[row, : len(a)] for row, a in enumerate(answers)]
+        return [make_record(c.kind, temperature, c.prompt_ids, answer,
+                            *top_k_labels(rows, self.top_k))
+                for c, answer, rows in zip(contexts, answers, step_logits, strict=True)]
+
+    def _decode_on_runner(self, prompts: list[list[int]], temperature: float
+                          ) -> tuple[list[list[int]], list[torch.Tensor]]:
+        runner = self.runner
+        assert runner is not None
+        histories = [TokenHistory(p) for p in prompts]
+        answers: list[list[int]] = [[] for _ in prompts]
+        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+        last = [runner.extend(f"stream-{i}", 0, 0, p).logits[-1]  # prefills run alone
+                for i, p in enumerate(prompts)]
+        live = list(range(len(prompts)))
+        while live:
+            for i in live:
+                logits[i].append(last[i])
+                token = self._pick(last[i], temperature)
+                answers[i].append(token)
+            live = [i for i in live
+                    if answers[i][-1] != self.end and len(answers[i]) < self.max_new_tokens]
+            requests = []
+            for i in live:
+                history = histories[i]
+                requests.append(ExtendRequest(f"stream-{i}", len(history),
+                                              history.fingerprint(), [answers[i][-1]]))
+                history.extend([answers[i][-1]])
+            for i, result in zip(live, runner.extend_batch(requests), strict=True):
+                if isinstance(result, Exception):
+                    raise result
+                last[i] = result.logits[-1]
+        for i in range(len(prompts)):
+            runner.release(f"stream-{i}")
+        return answers, [torch.stack(rows) for rows in logits]
+
+    def _pick(self, logits: torch.Tensor, temperature: float) -> int:
+        if temperature == 0.0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class MixedProducer:
+    """Batches in turn from each producer: the draft's text and the target's."""
+
+    name = "mix"
+
+    def __init__(self, producers: list[Producer]) -> None:
+        self.producers = producers
+        self.batches = 0
+
+    def load_draft_state(self, state: dict[str, torch.Tensor]) -> None:
+        for producer in self.producers:
+            if isinstance(producer, DraftWrittenProducer):
+                producer.load_draft_state(state)
+
+    def produce(self, contexts: list[Context], temperature: float) -> list[Record]:
+        producer = self.producers[self.batches % len(self.producers)]
+        self.batches += 1
+        return producer.produce(contexts, temperature)
+
+
+Producer = DraftWrittenProducer | TargetDecodingProducer | MixedProducer
+
+
+def measure_producers(producers: list[Producer], contexts: Callable[[], list[Context]],
+                      temperatures: tuple[float, ...], rounds: int = 1) -> dict[str, Any]:
+    """Labelled tokens per second of each producer on the same contexts (one batch per
+    temperature per round); the time to write the contexts is not counted."""
+    batches = [(contexts(), t) for _ in range(rounds) for t in temperatures]
+    report: dict[str, Any] = {}
+    for producer in producers:
+        tokens, started = 0, time.perf_counter()
+        for batch, temperature in batches:
+            tokens += sum(len(r["new_ids"]) for r in producer.produce(batch, temperature))
+        elapsed = time.perf_counter() - started
+        report[producer.name] = {"labelled_tokens": tokens, "seconds": round(elapsed, 2),
+                                 "tokens_per_s": round(tokens / elapsed, 1)}
+    return report

@@ -1,0 +1,340 @@
+"""Streaming self-distillation: a producer fills a bounded queue, the trainer drains it.
+
+The producer (producers.py) turns contexts from the conversation source
+(stream_prompts.py) into labelled records in its own thread; the queue holds at most
+`queue_size` records, so the producer waits while the trainer is behind and nothing
+piles up in memory or on disk. The trainer takes fresh records first and, while none
+has arrived, trains again on records it has seen fewer than `passes` times.
+
+A run starts from the given draft, or from the checkpoint in the work dir when there is
+one (weights, optimiser, counters and the held-out curve: a run resumes), and stops at
+its time budget. Every `checkpoint_every_s` it saves the checkpoint, measures the
+held-out curve (heldout.py) and hands its weights to a producer that samples with the
+draft. Progress lines go to stdout.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import queue
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
+
+from specdec.draft_training.heldout import (
+    CURVE_FILE,
+    PLOT_FILE,
+    HeldOutSet,
+    load_or_build_held_out,
+    measure_agreement,
+    plot_curve,
+    read_curve,
+    write_curve,
+)
+from specdec.draft_training.producers import (
+    DraftWrittenProducer,
+    MixedProducer,
+    Producer,
+    TargetDecodingProducer,
+    TargetWriter,
+    measure_producers,
+)
+from specdec.draft_training.stream_prompts import ConversationSource
+from specdec.draft_training.stream_settings import PRODUCERS, StreamSettings
+from specdec.draft_training.train import Record, _loss, load_draft
+
+CHECKPOINT_FILE = "stream_checkpoint.pt"
+HELD_OUT_FILE = "held_out_chat.pt"
+SUMMARY_FILE = "stream_summary.json"
+WARMUP_STEPS = 50
+
+
+def _lr(settings: StreamSettings, step: int, elapsed_s: float) -> float:
+    warmup = min(1.0, (step + 1) / WARMUP_STEPS)
+    decay = 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed_s / settings.time_budget_s)))
+    return settings.lr * warmup * (0.1 + 0.9 * decay)
+
+
+class DraftWeights:
+    """The trainer's latest weights for a producer that samples with the draft."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.version = 0
+        self._state: dict[str, torch.Tensor] = {}
+
+    def publish(self, draft: torch.nn.Module) -> None:
+        state = {name: t.detach().clone() for name, t in draft.state_dict().items()}
+        with self._lock:
+            self._state, self.version = state, self.version + 1
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]]:
+        with self._lock:
+            return self.version, self._state
+
+
+class ProducerThread(threading.Thread):
+    """Produces records into `records` until `stop` is set; an error stops it and is
+    kept for the trainer to raise."""
+
+    def __init__(self, producer: Producer, source: ConversationSource, records: queue.Queue,
+                 settings: StreamSettings, weights: DraftWeights, first_batch: int) -> None:
+        super().__init__(name="stream-producer", daemon=True)
+        self.producer, self.source, self.records = producer, source, records
+        self.settings, self.weights = settings, weights
+        self.batch_index = first_batch
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.produced: Counter[str] = Counter()  # labelled tokens per context kind
+
+    def run(self) -> None:
+        torch.set_num_threads(1)  # the trainer has the other core
+        seen_version = 0
+        try:
+            while not self.stop.is_set():
+                if isinstance(self.producer, DraftWrittenProducer | MixedProducer):
+                    version, state = self.weights.take()
+                    if version != seen_version:
+                        self.producer.load_draft_state(state)
+                        seen_version = version
+                temperatures = self.settings.temperatures
+                temperature = temperatures[self.batch_index % len(temperatures)]
+                torch.manual_seed(self.settings.seed * 1_000_003 + self.batch_index)
+                self.batch_index += 1
+                contexts = self.source.next_batch(self.settings.produce_batch)
+                for record in self.producer.produce(contexts, temperature):
+                    self.source.remember(record["prompt_ids"].tolist(),
+                                         record["new_ids"].tolist())
+                    self.produced[str(record["kind"])] += len(record["new_ids"])
+                    while not self.stop.is_set():
+                        try:
+                            self.records.put(record, timeout=0.5)
+                            break
+                        except queue.Full:
+                            continue
+        except BaseException as error:  # handed to the trainer, which raises it
+            self.error = error
+
+
+@dataclass
+class Progress:
+    """What the checkpoint keeps besides weights and optimiser state."""
+
+    step: int = 0
+    tokens: int = 0  # distinct labelled tokens received
+    trained_tokens: int = 0  # labelled tokens in optimiser steps (reuse included)
+    records: int = 0
+    elapsed_s: float = 0.0  # over all runs
+    batches: int = 0  # producer batches made (sets the next one's temperature and seed)
+
+
+def _save_checkpoint(path: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     progress: Progress) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                "progress": asdict(progress)}, tmp)
+    tmp.rename(path)
+
+
+def make_producer(name: str, target_dir: str, target: PreTrainedModel, draft_dir: Path,
+                  token_map: list[int], end: int, settings: StreamSettings) -> Producer:
+    if name == "draft-written":
+        sampler, _ = load_draft(draft_dir)  # a copy: the trainer owns the other
+        return DraftWrittenProducer(target, sampler, token_map, end, top_k=settings.top_k,
+                                    max_new_tokens=settings.max_new_tokens)
+    if name == "mix":
+        return MixedProducer([make_producer(part, target_dir, target, draft_dir, token_map, end,
+                                            settings) for part in ("draft-written",
+                                                                   "target-generate")])
+    if name == "target-runner":  # the target as the services load it: the tuned kernels
+        from specdec.engine.backends.cpu import load_causal_lm
+        from specdec.engine.runner import ModelRunner
+
+        loaded = load_causal_lm(target_dir, torch.device("cpu"), torch.bfloat16,
+                                progress=False)
+        runner = ModelRunner(loaded.model, row_invariance=loaded.row_invariance)
+        return TargetDecodingProducer(loaded.model, end, top_k=settings.top_k,
+                                      max_new_tokens=settings.max_new_tokens,
+                                      backend="runner", runner=runner, seed=settings.seed)
+    return TargetDecodingProducer(target, end, top_k=settings.top_k,
+                                  max_new_tokens=settings.max_new_tokens, backend="generate",
+                                  seed=settings.seed)
+
+
+def measure(target_dir: str, draft_dir: Path, settings: StreamSettings,
+            excluded: list[str]) -> dict[str, Any]:
+    """Labelled tokens/s of every producer on the same contexts: one batch of
+    settings.produce_batch contexts per temperature (measure_producers)."""
+    torch.set_num_threads(2)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    _, token_map = load_draft(draft_dir)
+    end = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
+    source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded,
+                                seed=settings.seed, mix=(1.0, 0.0, 0.0))
+    producers = [make_producer(name, target_dir, target, draft_dir, token_map, end, settings)
+                 for name in PRODUCERS if name != "mix"]
+    report = measure_producers(producers, lambda: source.next_batch(settings.produce_batch),
+                               settings.temperatures)
+    return {"threads": torch.get_num_threads(), "contexts_per_batch": settings.produce_batch,
+            "max_new_tokens": settings.max_new_tokens, "producers": report}
+
+
+def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: Path,
+                   settings: StreamSettings, excluded: list[str] | None = None,
+                   target: PreTrainedModel | None = None) -> dict[str, Any]:
+    """Distil the draft in init_draft (or the work dir's checkpoint) on a stream of
+    labelled contexts for settings.time_budget_s; write it (bfloat16), its token map,
+    the curve and its plot to out_dir. `target`: the loaded target (bfloat16 by
+    default), for callers that already hold it."""
+    torch.set_num_threads(1)  # the producer thread has the other core
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    if target is None:
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    target.eval()
+    draft, token_map = load_draft(init_draft)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.lr, weight_decay=0.0)
+    checkpoint, curve_path = work_dir / CHECKPOINT_FILE, work_dir / CURVE_FILE
+    progress = Progress()
+    if checkpoint.exists():
+        state = torch.load(checkpoint)
+        draft.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        progress = Progress(**state["progress"])
+        print(f"resuming at step {progress.step}, {progress.tokens:,} tokens", flush=True)
+    held_out = load_or_build_held_out(work_dir / HELD_OUT_FILE, target, tokenizer, token_map,
+                                      settings.held_out_prompts, settings.held_out_tokens)
+    curve = read_curve(curve_path) if checkpoint.exists() else []
+    end = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
+    if not curve:
+        _record_point(curve, curve_path, draft, held_out, progress, float("nan"))
+    source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded or (),
+                                seed=settings.seed + progress.batches,
+                                max_context=settings.max_context)
+    records: queue.Queue[Record] = queue.Queue(maxsize=settings.queue_size)
+    weights = DraftWeights()
+    weights.publish(draft)
+    producer = ProducerThread(
+        make_producer(settings.producer, target_dir, target, init_draft, token_map, end,
+                      settings),
+        source, records, settings, weights, progress.batches)
+    producer.start()
+    unk_row = len(token_map)
+    input_map = torch.full((int(target.config.vocab_size),), unk_row)
+    input_map[torch.tensor(token_map)] = torch.arange(unk_row)
+    reusable: deque[tuple[Record, int]] = deque()  # (record, times used)
+    losses: deque[float] = deque(maxlen=50)
+    run_started = time.monotonic()
+    earlier_s = progress.elapsed_s
+    last_checkpoint = last_progress = run_started
+    run_tokens = 0
+    draft.train()
+    try:
+        while time.monotonic() - run_started < settings.time_budget_s:
+            batch = _next_batch(records, reusable, settings, producer)
+            if batch is None:
+                continue
+            fresh = [record for record, used in batch if used == 0]
+            run_tokens += sum(len(r["new_ids"]) for r in fresh)
+            progress.tokens += sum(len(r["new_ids"]) for r in fresh)
+            progress.records += len(fresh)
+            progress.trained_tokens += sum(len(r["new_ids"]) for r, _ in batch)
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(settings, progress.step, time.monotonic() - run_started)
+            loss = _loss(draft, [r for r, _ in batch], input_map, unk_row)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+            progress.step += 1
+            losses.append(float(loss.detach()))
+            reusable.extend((r, used + 1) for r, used in batch if used + 1 < settings.passes)
+            now = time.monotonic()
+            if now - last_progress >= settings.progress_every_s:
+                last_progress = now
+                print(f"step {progress.step} tokens {progress.tokens:,} "
+                      f"({run_tokens / (now - run_started):.0f}/s this run) "
+                      f"loss {sum(losses) / len(losses):.3f} queue {records.qsize()} "
+                      f"elapsed {(now - run_started) / 60:.1f} min", flush=True)
+            if now - last_checkpoint >= settings.checkpoint_every_s:
+                last_checkpoint = now
+                progress.batches = producer.batch_index
+                progress.elapsed_s = earlier_s + now - run_started
+                _checkpoint(checkpoint, curve, curve_path, draft, optimizer, held_out,
+                            progress, losses)
+                weights.publish(draft)
+    finally:
+        producer.stop.set()
+        producer.join(timeout=600)
+    progress.batches = producer.batch_index
+    elapsed = time.monotonic() - run_started
+    progress.elapsed_s = earlier_s + elapsed
+    _checkpoint(checkpoint, curve, curve_path, draft, optimizer, held_out, progress, losses)
+    summary = {"settings": asdict(settings), "progress": asdict(progress),
+               "run_s": round(elapsed, 1), "run_tokens": run_tokens,
+               "tokens_per_s_this_run": round(run_tokens / max(elapsed, 1e-9), 1),
+               "produced_by_kind": dict(producer.produced),
+               "dropped_written_turns": source.dropped_turns,
+               "init_draft": str(init_draft), "curve": curve}
+    (work_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    _write_draft(draft, token_map, out_dir, curve)
+    return summary
+
+
+def _next_batch(records: queue.Queue[Record], reusable: deque[tuple[Record, int]],
+                settings: StreamSettings,
+                producer: ProducerThread) -> list[tuple[Record, int]] | None:
+    """Fresh records first; reused ones while none is waiting; None after a second
+    without either (the caller checks its budget and asks again)."""
+    batch: list[tuple[Record, int]] = []
+    while len(batch) < settings.train_batch:
+        if producer.error is not None:
+            raise RuntimeError("the stream's producer failed") from producer.error
+        try:
+            batch.append((records.get(timeout=0.0 if reusable else 1.0), 0))
+        except queue.Empty:
+            if reusable:
+                batch.append(reusable.popleft())
+            elif not batch:
+                return None
+    return batch
+
+
+def _record_point(curve: list[dict[str, Any]], path: Path, draft: LlamaForCausalLM,
+                  held_out: HeldOutSet, progress: Progress, loss: float) -> None:
+    point = {"tokens": progress.tokens, "trained_tokens": progress.trained_tokens,
+             "step": progress.step, "loss": None if math.isnan(loss) else round(loss, 4),
+             **measure_agreement(draft, held_out)}
+    curve.append(point)
+    write_curve(path, curve)
+    print(f"held-out: top-1 agreement {point['top1_agreement']:.4f}, expected acceptance "
+          f"{point['expected_acceptance']:.4f} at {progress.tokens:,} tokens", flush=True)
+
+
+def _checkpoint(path: Path, curve: list[dict[str, Any]], curve_path: Path,
+                draft: LlamaForCausalLM, optimizer: torch.optim.Optimizer,
+                held_out: HeldOutSet, progress: Progress, losses: deque[float]) -> None:
+    _save_checkpoint(path, draft, optimizer, progress)
+    _record_point(curve, curve_path, draft, held_out, progress,
+                  sum(losses) / len(losses) if losses else float("nan"))
+    draft.train()
+
+
+def _write_draft(draft: LlamaForCausalLM, token_map: list[int], out_dir: Path,
+                 curve: list[dict[str, Any]]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stored = copy.deepcopy(draft)
+    torch.nn.Module.to(stored, torch.bfloat16)  # transformers' .to stub takes no dtype
+    stored.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    write_curve(out_dir / CURVE_FILE, curve)
+    plot_curve(curve, out_dir / PLOT_FILE, "held-out acceptance of the draft, streaming stage")

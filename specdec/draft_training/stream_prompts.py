@@ -1,0 +1,165 @@
+"""Conversations for streaming distillation: the contexts the draft learns to continue.
+
+Three kinds of context, mixed in every batch:
+- a user turn from the project's prompt sets (their training split);
+- a user turn the target writes itself (Magpie: the target samples after the chat
+  template's user-turn prefix, so the turn reads like what a user of this model asks);
+- a further user turn, written the same way, on a conversation the stream finished
+  earlier (multi-turn continuation).
+
+The held-out prompts of both prompt sets and any excluded text (the bench prompts, given
+by the caller) never become a user turn: a written turn equal to one, up to case and
+spacing, is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from specdec.draft_training.datagen import PROMPT_SETS, interleave_by_category
+from specdec.draft_training.prompts import split
+
+# (prefixes, temperature, max_new_tokens) -> sampled continuations, each cut after the
+# end-of-turn token when it came (so a turn without it was cut short).
+WriteTurns = Callable[[list[list[int]], float, int], list[list[int]]]
+KINDS = ("prompt-set", "magpie", "multi-turn")
+_SENTINELS = ("SPECDEC_FIRST_TURN", "SPECDEC_ANSWER", "SPECDEC_NEXT_TURN")
+
+
+def normal(text: str) -> str:
+    """Text compared up to case and spacing."""
+    return " ".join(text.lower().split())
+
+
+@functools.cache
+def held_out_texts() -> frozenset[str]:
+    """Every held-out prompt of the project's prompt sets, normalised."""
+    return frozenset({normal(p.text) for _, make in PROMPT_SETS.values() for p in split(make())[1]})
+
+
+def training_prompts(seed: int) -> list[str]:
+    """Both prompt sets' training split, categories interleaved, shuffled by seed."""
+    prompts = [p for _, make in PROMPT_SETS.values()
+               for p in interleave_by_category(split(make())[0])]
+    random.Random(seed).shuffle(prompts)
+    return [p.text for p in prompts]
+
+
+@dataclass(frozen=True)
+class Context:
+    kind: str  # one of KINDS
+    prompt_ids: list[int]  # everything before the assistant's answer
+
+
+class ChatFormat:
+    """The chat template's pieces as token ids, cut out of rendered conversations."""
+
+    def __init__(self, tokenizer) -> None:
+        first, answer, following = _SENTINELS
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": first}, {"role": "assistant", "content": answer},
+             {"role": "user", "content": following}], add_generation_prompt=True,
+            tokenize=False)
+        user_prefix, rest = rendered.split(first)
+        assistant_prefix, rest = rest.split(answer)
+        between, _ = rest.split(following)
+        self.tokenizer = tokenizer
+        self.end_of_turn = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.user_prefix = self.encode(user_prefix)  # system turn + the user-turn opening
+        self.assistant_prefix = self.encode(assistant_prefix)  # closes the user turn
+        between_ids = self.encode(between)
+        # A finished answer ends with the end-of-turn token, which `between` starts with.
+        if between_ids[:1] == [self.end_of_turn]:
+            between_ids = between_ids[1:]
+        self.next_user = between_ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def user_turn(self, text: str) -> list[int]:
+        """A first user turn as `specdec generate --chat` sends it."""
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return self.encode(rendered)
+
+
+class ConversationSource:
+    """Contexts in the proportions of `mix` (prompt-set, magpie, multi-turn); written turns
+    come from `write_turns` (the target sampling). Finished conversations handed to
+    `remember` are continued later, one more turn each."""
+
+    def __init__(self, tokenizer, write_turns: WriteTurns, *, excluded: Iterable[str] = (),
+                 seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.4, 0.2),
+                 max_context: int = 384, turn_tokens: int = 48, turn_temperature: float = 1.0,
+                 remembered: int = 256) -> None:
+        self.chat = ChatFormat(tokenizer)
+        self.write_turns = write_turns
+        self.excluded = held_out_texts() | {normal(text) for text in excluded}
+        self.rng = random.Random(seed)
+        self.mix = mix
+        self.max_context = max_context
+        self.turn_tokens = turn_tokens
+        self.turn_temperature = turn_temperature
+        self.finished: deque[list[int]] = deque(maxlen=remembered)
+        self._prompts = self._cycle(training_prompts(seed))
+        self.dropped_turns = 0  # written turns refused: excluded, cut short or empty
+
+    @staticmethod
+    def _cycle(texts: list[str]) -> Iterator[str]:
+        while True:
+            yield from texts
+
+    def allowed(self, text: str) -> bool:
+        return normal(text) not in self.excluded
+
+    def remember(self, prompt_ids: list[int], answer_ids: list[int]) -> None:
+        """Keep a finished conversation (its answer ended its turn) to continue later."""
+        ids = prompt_ids + answer_ids
+        room = self.turn_tokens + len(self.chat.next_user) + len(self.chat.assistant_prefix)
+        if answer_ids[-1:] == [self.chat.end_of_turn] and len(ids) + room < self.max_context:
+            self.finished.append(ids)
+
+    def next_batch(self, size: int) -> list[Context]:
+        counts = [0, 0, 0]
+        for _ in range(size):
+            counts[self.rng.choices(range(3), weights=self.mix)[0]] += 1
+        continued = [self.finished.popleft() for _ in range(min(counts[2], len(self.finished)))]
+        counts[1] += counts[2] - len(continued)  # no finished conversation yet: new ones
+        contexts = [Context("prompt-set", self._prompt_set_turn()) for _ in range(counts[0])]
+        prefixes = [self.chat.user_prefix] * counts[1] + [c + self.chat.next_user
+                                                          for c in continued]
+        kinds = ["magpie"] * counts[1] + ["multi-turn"] * len(continued)
+        for kind, prefix, turn in zip(kinds, prefixes, self._written_turns(prefixes),
+                                      strict=True):
+            if turn is not None:
+                contexts.append(Context(kind, prefix + turn + self.chat.assistant_prefix))
+        while len(contexts) < size:  # refused written turns: prompt-set turns instead
+            contexts.append(Context("prompt-set", self._prompt_set_turn()))
+        return contexts
+
+    def _prompt_set_turn(self) -> list[int]:
+        text = next(self._prompts)
+        while not self.allowed(text):  # the training split holds none; excluded text may
+            text = next(self._prompts)
+        return self.chat.user_turn(text)
+
+    def _written_turns(self, prefixes: list[list[int]]) -> list[list[int] | None]:
+        """Each prefix's written user turn without its end-of-turn token, or None where
+        the turn is refused."""
+        if not prefixes:
+            return []
+        sampled = self.write_turns(prefixes, self.turn_temperature, self.turn_tokens)
+        turns: list[list[int] | None] = []
+        for ids in sampled:
+            text = self.chat.tokenizer.decode(ids[:-1]).strip()
+            ended = ids[-1:] == [self.chat.end_of_turn]
+            if ended and len(ids) > 3 and text and self.allowed(text):
+                turns.append(ids[:-1])
+            else:
+                self.dropped_turns += 1
+                turns.append(None)
+        return turns

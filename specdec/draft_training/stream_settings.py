@@ -1,0 +1,33 @@
+"""The settings of a streaming self-distillation run (stream.py), importable without
+torch so the command line reads its defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What writes the text the target labels (producers.py): the draft (the target scores
+# it in one forward) or the target itself, decoding with transformers' generate or with
+# the project's batched runner; or batches in turn from the draft and from generate.
+PRODUCERS = ("draft-written", "target-generate", "target-runner", "mix")
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """One streaming run. The command's flags take their defaults from here."""
+
+    time_budget_s: float = 30 * 60.0
+    producer: str = "mix"  # PRODUCERS
+    train_batch: int = 16  # records per optimiser step
+    produce_batch: int = 16  # contexts per producer call
+    max_new_tokens: int = 128
+    top_k: int = 16
+    lr: float = 1e-4  # peak; warm-up, then cosine over the time budget to a tenth
+    queue_size: int = 64  # records
+    passes: int = 3  # times the trainer may use one record
+    checkpoint_every_s: float = 240.0
+    progress_every_s: float = 30.0
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # of successive producer batches
+    held_out_prompts: int = 32
+    held_out_tokens: int = 64
+    max_context: int = 384
+    seed: int = 0

@@ -1,0 +1,198 @@
+"""Streaming self-distillation on a tiny random target with SmolLM2's tokenizer: the
+queue's bound, labels equal to the target's own distribution, held-out and bench prompts
+never produced, resume from the checkpoint, and the held-out curve."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.bench.prompts import load_prompts
+from specdec.draft_training.heldout import CURVE_FILE, PLOT_FILE, held_out_chat
+from specdec.draft_training.producers import (
+    DraftWrittenProducer,
+    TargetDecodingProducer,
+)
+from specdec.draft_training.stream import (
+    CHECKPOINT_FILE,
+    DraftWeights,
+    ProducerThread,
+    StreamSettings,
+    stream_distill,
+)
+from specdec.draft_training.stream_prompts import (
+    ChatFormat,
+    Context,
+    ConversationSource,
+    held_out_texts,
+    normal,
+)
+from specdec.draft_training.train import make_draft
+from specdec.engine.runner import ModelRunner
+from tests.tiny_models import save_tiny_pair
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny target and a reduced-vocabulary draft made from it."""
+    root = tmp_path_factory.mktemp("stream")
+    target, _ = save_tiny_pair(root)
+    token_map = list(range(0, 49152, 6))  # every sixth id; 0 and the chat tokens 1, 2
+    draft = make_draft(str(target), token_map, num_layers=1)
+    draft.save_pretrained(root / "draft")
+    (root / "draft" / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    return target, root / "draft"
+
+
+def _target(path: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _contexts(target_dir: Path) -> list[Context]:
+    chat = ChatFormat(AutoTokenizer.from_pretrained(target_dir))
+    texts = ["Tell me about owls.", "Write a haiku about rain, please.", "Hi!"]
+    return [Context("prompt-set", chat.user_turn(text)) for text in texts]
+
+
+def _assert_labels_are_the_targets(target: torch.nn.Module, records: list[dict]) -> None:
+    assert records
+    for record in records:
+        prompt, new = record["prompt_ids"].long(), record["new_ids"].long()
+        with torch.no_grad():
+            logits = target(input_ids=torch.cat([prompt, new])[None]).logits[0]
+        probs = torch.softmax(logits[len(prompt) - 1:-1].float(), dim=-1)
+        k = record["topk_ids"].shape[1]
+        expected = probs.topk(k, dim=-1)
+        assert record["topk_ids"].shape == (len(new), k)
+        assert torch.allclose(record["topk_probs"].float(), expected.values, atol=2e-3)
+        # ids agree wherever the probabilities are not tied
+        chosen = probs.gather(1, record["topk_ids"].long())
+        assert torch.allclose(chosen, expected.values, atol=2e-3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_written_text_is_labelled_with_the_targets_distribution(
+        tiny: tuple[Path, Path], temperature: float) -> None:
+    target_dir, draft_dir = tiny
+    from specdec.draft_training.train import load_draft
+
+    target = _target(target_dir)
+    draft, token_map = load_draft(draft_dir)
+    producer = DraftWrittenProducer(target, draft, token_map, 2, top_k=4, max_new_tokens=7)
+    torch.manual_seed(3)
+    records = producer.produce(_contexts(target_dir), temperature)
+    assert all(set(r["new_ids"].tolist()) <= set(token_map) for r in records)
+    _assert_labels_are_the_targets(target, records)
+
+
+@pytest.mark.parametrize("backend", ["generate", "runner"])
+def test_target_decoding_labels_are_the_targets_distribution(
+        tiny: tuple[Path, Path], backend: str) -> None:
+    target_dir, _ = tiny
+    target = _target(target_dir)
+    runner = ModelRunner(target, row_invariance=(False, None)) if backend == "runner" else None
+    producer = TargetDecodingProducer(target, 2, top_k=4, max_new_tokens=6, backend=backend,
+                                      runner=runner)
+    records = producer.produce(_contexts(target_dir), 0.0)
+    _assert_labels_are_the_targets(target, records)
+    for record in records:  # greedy: every token is the target's most probable one
+        assert record["new_ids"].tolist() == record["topk_ids"][:, 0].tolist()
+
+
+class _EndlessProducer:
+    name = "endless"
+
+    def produce(self, contexts: list[Context], temperature: float) -> list[dict]:
+        return [{"prompt_ids": torch.tensor(c.prompt_ids), "new_ids": torch.tensor([5, 2]),
+                 "kind": c.kind} for c in contexts]
+
+
+def test_the_queue_holds_at_most_its_bound_and_the_producer_waits(
+        tiny: tuple[Path, Path]) -> None:
+    target_dir, _ = tiny
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    source = ConversationSource(tokenizer, lambda prefixes, t, n: [[5, 2]] * len(prefixes),
+                                mix=(1.0, 0.0, 0.0))
+    records: queue.Queue = queue.Queue(maxsize=5)
+    settings = StreamSettings(produce_batch=4)
+    thread = ProducerThread(_EndlessProducer(), source, records, settings,  # type: ignore[arg-type]
+                            DraftWeights(), 0)
+    thread.start()
+    time.sleep(1.0)
+    try:
+        assert records.qsize() == 5 and thread.is_alive() and thread.error is None
+        made = thread.batch_index
+        time.sleep(0.5)
+        assert thread.batch_index == made  # blocked on the full queue, not producing
+        records.get()
+        time.sleep(0.5)
+        assert records.qsize() == 5
+    finally:
+        thread.stop.set()
+        thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_held_out_and_bench_prompts_never_become_a_user_turn(tiny: tuple[Path, Path]) -> None:
+    target_dir, _ = tiny
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    chat = ChatFormat(tokenizer)
+    held_out = sorted(held_out_texts())
+    bench = [p.text for p in load_prompts()]
+    forbidden = held_out[:3] + bench[:3]
+    allowed = "How do I fold a paper crane?"
+    written = [f"  {t.upper()} " for t in forbidden] + [allowed]
+
+    def write_turns(prefixes: list[list[int]], temperature: float, n: int) -> list[list[int]]:
+        return [chat.encode(written[i % len(written)]) + [chat.end_of_turn]
+                for i in range(len(prefixes))]
+
+    source = ConversationSource(tokenizer, write_turns, excluded=bench, mix=(0.3, 0.5, 0.2))
+    excluded = {normal(t) for t in held_out + bench}
+    assert all(normal(t) in excluded for t in held_out_chat(8))  # what the curve measures on
+    turns: list[str] = []
+    kinds: set[str] = set()
+    for _ in range(6):
+        for context in source.next_batch(8):
+            kinds.add(context.kind)
+            text = tokenizer.decode(context.prompt_ids)
+            turns += [turn.split("<|im_end|>")[0].strip()
+                      for turn in text.split("<|im_start|>user\n")[1:]]
+            source.remember(context.prompt_ids, chat.encode("Sure.") + [chat.end_of_turn])
+    assert source.dropped_turns > 0
+    assert normal(allowed) in {normal(t) for t in turns}
+    assert not [t for t in turns if normal(t) in excluded]
+    assert kinds == {"prompt-set", "magpie", "multi-turn"}
+
+
+def test_a_stream_run_writes_the_curve_and_the_next_run_resumes(
+        tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    target_dir, draft_dir = tiny
+    settings = StreamSettings(time_budget_s=3.0, train_batch=2, produce_batch=3,
+                              max_new_tokens=6, top_k=4, lr=1e-3, queue_size=4,
+                              checkpoint_every_s=1.0, progress_every_s=1.0,
+                              held_out_prompts=2, held_out_tokens=4)
+    work, out = tmp_path / "work", tmp_path / "out"
+    first = stream_distill(str(target_dir), draft_dir, work, out, settings)
+    assert first["progress"]["step"] > 0 and first["progress"]["tokens"] > 0
+    curve = json.loads((work / CURVE_FILE).read_text())
+    assert len(curve) >= 2 and curve[0]["tokens"] == 0 and curve[0]["step"] == 0
+    assert all(0.0 <= p["top1_agreement"] <= 1.0 and 0.0 <= p["expected_acceptance"] <= 1.0
+               for p in curve)
+    assert (out / PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / CURVE_FILE).read_text()) == curve
+    assert (out / "token_map.json").exists() and (work / CHECKPOINT_FILE).exists()
+    stored = AutoModelForCausalLM.from_pretrained(out)
+    assert next(stored.parameters()).dtype == torch.bfloat16
+
+    second = stream_distill(str(target_dir), draft_dir, work, out, settings)
+    assert second["progress"]["step"] > first["progress"]["step"]
+    assert second["progress"]["tokens"] > first["progress"]["tokens"]
+    resumed = json.loads((work / CURVE_FILE).read_text())
+    assert resumed[:len(curve)] == curve and len(resumed) > len(curve)
