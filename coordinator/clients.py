@@ -26,7 +26,7 @@ import grpc
 import torch
 
 from coordinator.routing import ChannelClosed, FixedRoute, Route
-from specdec.core.history import TokenHistory
+from specdec.core.history import FINAL_STATE, HiddenSpec, TokenHistory
 from specdec.core.interfaces import (
     CacheMirror,
     DraftUnavailable,
@@ -158,6 +158,14 @@ class ProbsRelay:
         self._last.pop(session_id, None)
 
 
+def described_spec(response: draft_pb2.DescribeResponse) -> HiddenSpec | None:
+    """The target states a draft's Describe says it reads (None: tokens only)."""
+    if response.target_hidden_size == 0:
+        return None
+    return HiddenSpec(tuple(response.target_hidden_layers),
+                      wire.hidden_dtype(response.hidden_dtype))
+
+
 def _assume_done(mirror: CacheMirror, committed: TokenHistory) -> None:
     """After a call with an unknown outcome, assume it went through on the service.
 
@@ -257,13 +265,14 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
     def __init__(self, route: Route | grpc.Channel, endpoint: str = "", *, vocab_size: int,
                  timeout_s: float, deadline: float | None = None,
                  relay: ProbsRelay | None = None,
-                 descriptions: dict[str, int] | None = None) -> None:
+                 descriptions: dict[str, HiddenSpec | None] | None = None) -> None:
         super().__init__(route, endpoint, draft_pb2_grpc.DraftStub)
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.deadline = deadline
         self.relay = relay
-        # endpoint -> Describe's target_hidden_size, shared across requests by the caller.
+        # endpoint -> the states Describe says the draft reads (None: tokens only), shared
+        # across requests by the caller.
         self.descriptions = descriptions if descriptions is not None else {}
 
     @property
@@ -279,8 +288,13 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
                 log.info("draft %s: Describe failed (%s); sending no hidden states", endpoint,
                          _describe(error))
                 return False
-            self.descriptions[endpoint] = response.target_hidden_size
-        return self.descriptions[endpoint] > 0
+            self.descriptions[endpoint] = described_spec(response)
+        return self.descriptions[endpoint] is not None
+
+    @property
+    def target_hidden_spec(self) -> HiddenSpec:
+        """The target states the draft reads (asked with needs_target_hidden)."""
+        return self.descriptions.get(self.endpoint) or FINAL_STATE
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0,
@@ -295,8 +309,8 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
                                                num_alternatives=num_alternatives,
                                                max_alternative_depth=max_alternative_depth)
             if committed.target_hidden is not None:
-                request.target_hidden_states.CopyFrom(
-                    wire.encode_hidden(draft_hidden_rows(committed, sync)))
+                request.target_hidden_states.CopyFrom(wire.encode_hidden(
+                    draft_hidden_rows(committed, sync), committed.target_hidden.spec.wire_dtype))
             timeout = self.timeout_s
             if self.deadline is not None:
                 timeout = max(0.001, min(timeout, self.deadline - time.monotonic()))
@@ -407,6 +421,10 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                 sync=wire.sync_to_proto(sync), draft_tokens=draft_tokens,
                 sampling=wire.sampling_to_proto(params),
                 return_hidden_states=committed.target_hidden is not None)
+            if committed.target_hidden is not None:
+                spec = committed.target_hidden.spec
+                request.hidden_layers.extend(spec.layers)
+                request.hidden_dtype = spec.wire_dtype
             if alternatives:
                 request.alternatives.CopyFrom(wire.alternatives_to_proto(alternatives))
             if probs_message is not None:

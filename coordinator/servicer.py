@@ -48,6 +48,7 @@ from coordinator.validation import (
 )
 from specdec.core import policy as policies
 from specdec.core.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, length_policy
+from specdec.core.history import HiddenSpec
 from specdec.core.interfaces import Drafter, Verifier
 from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent, generate
 from specdec.core.prompt_lookup import (
@@ -144,7 +145,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.tokenizer = tokenizer
         self.decode = decoder(tokenizer)
         self.channels = channels or ChannelPool()
-        self.draft_descriptions: dict[str, int] = {}  # endpoint -> target hidden size read
+        # endpoint -> the target states the draft reads (None: tokens only)
+        self.draft_descriptions: dict[str, HiddenSpec | None] = {}
         self.limits = Limits(target.vocab_size, target.max_context,
                              self.settings.max_new_tokens_limit, self.settings.max_draft_tokens,
                              self.settings.num_draft_tokens, self.settings.draft_confidence,

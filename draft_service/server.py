@@ -30,7 +30,8 @@ def create(args: argparse.Namespace, interceptors: Sequence[grpc.ServerIntercept
     backend.configure_process()
     # The draft maps its rows onto the target's vocabulary, so it needs its size.
     vocab = model_info(args.target_model).vocab_size
-    choice = backend.load_draft(args.draft_model, target_vocab_size=vocab)
+    choice = backend.load_draft(args.draft_model, target_vocab_size=vocab,
+                                target_model=args.target_model)
     log.info("loaded %s: %s; precision %s", args.draft_model, choice.loaded.precision,
              choice.describe())
     runner = serving_runner(choice.loaded, target_vocab_size=vocab,

@@ -104,8 +104,13 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     @rpc_errors
     def Describe(self, request: draft_pb2.DescribeRequest,
                  context: grpc.ServicerContext) -> draft_pb2.DescribeResponse:
-        return draft_pb2.DescribeResponse(target_hidden_size=self.runner.target_hidden_size,
-                                          precision=self.precision)
+        reader = self.runner.hidden_reader
+        response = draft_pb2.DescribeResponse(target_hidden_size=self.runner.target_hidden_size,
+                                              precision=self.precision)
+        if reader is not None:
+            response.target_hidden_layers.extend(reader.spec.layers)
+            response.hidden_dtype = reader.spec.wire_dtype
+        return response
 
     @rpc_errors
     def Release(self, request: draft_pb2.DraftReleaseRequest,

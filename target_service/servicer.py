@@ -60,6 +60,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if len(alternatives) > DECODE_ROWS:
             raise InvalidRequest(f"alternatives holds {len(alternatives)} tokens, more than "
                                  f"{DECODE_ROWS}")
+        hidden_dtype = wire.hidden_dtype(request.hidden_dtype)
 
         def make_job() -> VerifyJob:
             # Tensor work stays on the model's thread (see BatchScheduler.submit).
@@ -73,11 +74,12 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 if bool((drawn <= 0).any()):  # a token cannot come from a row excluding it
                     raise InvalidRequest("draft_probs gives probability 0 to a draft token")
             return VerifyJob(sync, draft_tokens, probs, params, request.return_hidden_states,
-                             alternatives)
+                             alternatives, tuple(request.hidden_layers))
 
         def finish(job: VerifyJob) -> tuple[VerifyOutput, common_pb2.HiddenStates | None]:
             out = job.output()
-            return out, None if out.hidden is None else wire.encode_hidden(out.hidden)
+            return out, (None if out.hidden is None
+                         else wire.encode_hidden(out.hidden, hidden_dtype))
 
         (out, hidden), batch = self.sessions.call(sync.session_id, make_job, finish, context)
         self.telemetry.record_step(

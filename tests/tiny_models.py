@@ -81,3 +81,35 @@ def save_tiny_pair(root: Path) -> tuple[Path, Path]:
         tokenizer.save_pretrained(root / name)
         paths.append(root / name)
     return paths[0], paths[1]
+
+
+def tiny_eagle3_draft(target: torch.nn.Module, seed: int = 0,
+                      aux_layer_ids: tuple[int, ...] = (0, 1, 1),
+                      draft_vocab: int | None = None, norm_before_residual: bool = False,
+                      logit_scale: float = 1.0) -> torch.nn.Module:
+    """A random 1-layer EAGLE-3 draft (specdec.engine.eagle3) for `target`: with
+    draft_vocab, its draft vocabulary is that many target tokens drawn at random."""
+    from specdec.engine.eagle3 import Eagle3DraftForCausalLM, Eagle3Settings, eagle3_config
+
+    torch.manual_seed(seed)
+    vocab, hidden = int(target.config.vocab_size), int(target.config.hidden_size)
+    draft_vocab = draft_vocab or vocab
+    layer = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 256}
+    settings = Eagle3Settings(draft_vocab, hidden, aux_layer_ids, norm_before_residual)
+    model = Eagle3DraftForCausalLM(eagle3_config(layer, settings)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale / model.lm_head.weight.std() / 32**0.5 * 2)
+        model.fc.weight.mul_(4.0)  # the target's states shape the proposals
+        for module in model.modules():  # norms away from 1, so a misplaced one shows
+            if type(module).__name__ == "LlamaRMSNorm":
+                module.weight.uniform_(0.5, 1.5)
+        if draft_vocab != vocab:
+            order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+            targets = order[:draft_vocab].sort().values
+            model.d2t.copy_(targets - torch.arange(draft_vocab))
+        targets = model.draft_to_target()
+        model.t2d.zero_()
+        model.t2d[targets] = True
+    return model

@@ -64,11 +64,39 @@ class TokenHistory:
         return limit
 
 
-class HiddenStateLog:
-    """The target's final hidden state at each committed position, as verification
-    returns them: what a feature draft reads (specdec.engine.feature_draft)."""
+WIRE_DTYPES = ("float16", "bfloat16", "float32")
 
-    def __init__(self) -> None:
+
+@dataclass(frozen=True)
+class HiddenSpec:
+    """Which of the target's states a draft reads, and how they travel.
+
+    layers: the inputs of these decoder layers, side by side in this order (EAGLE-3's
+    low, middle and high states); none: the final norm's output (what the LM head reads).
+    wire_dtype: one of WIRE_DTYPES, the precision of the rows between services. They
+    shape only q, so any precision keeps decoding exact; the residual stream before a
+    late layer can leave float16's range, where bfloat16 keeps it.
+    """
+
+    layers: tuple[int, ...] = ()
+    wire_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"hidden states travel as one of {', '.join(WIRE_DTYPES)}, "
+                             f"not {self.wire_dtype!r}")
+
+
+FINAL_STATE = HiddenSpec()  # the final norm's output in float16: the feature draft's
+
+
+class HiddenStateLog:
+    """The target's hidden state at each committed position, as verification returns
+    them: what a feature draft reads (specdec.engine.feature_draft, specdec.engine.eagle3);
+    `spec` says which states they are."""
+
+    def __init__(self, spec: HiddenSpec = FINAL_STATE) -> None:
+        self.spec = spec
         self._rows: list[torch.Tensor] = []
 
     def __len__(self) -> int:

@@ -89,7 +89,9 @@ class Drafter(Protocol):
     @property
     def needs_target_hidden(self) -> bool:
         """True for a feature draft: the loop then keeps the target's hidden states in
-        committed.target_hidden and drafts only once they cover the committed prefix."""
+        committed.target_hidden and drafts only once they cover the committed prefix.
+        Such a drafter may name the states it reads as `target_hidden_spec` (a
+        HiddenSpec; without it, the target's final state in float16)."""
         ...
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,

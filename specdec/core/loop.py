@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdec.core.history import HiddenStateLog, TokenHistory
+from specdec.core.history import FINAL_STATE, HiddenStateLog, TokenHistory
 from specdec.core.interfaces import Drafter, DraftUnavailable, Proposal, Verification, Verifier
 from specdec.core.policy import (
     AlternativesPolicy,
@@ -359,7 +359,8 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
     params = config.sampling.with_seed()
     committed = TokenHistory(prompt_ids)
     if drafter is not None and getattr(drafter, "needs_target_hidden", False):
-        committed.target_hidden = HiddenStateLog()
+        committed.target_hidden = HiddenStateLog(getattr(drafter, "target_hidden_spec",
+                                                         FINAL_STATE))
     return _Generation(
         drafter, verifier, config,
         policy=policy or FixedLength(config.num_draft_tokens),

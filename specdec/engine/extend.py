@@ -43,6 +43,12 @@ class ExtendRequest:
     # an absolute cache slot (see ModelRunner.extend).
     branch_parents: tuple[int, ...] = ()
     prefill_length: int = 0  # at committed_position 0: the tokens to prefill in one piece
+    # With hidden_rows: the inputs of these decoder layers side by side (none: the final
+    # norm's output; a draft: its own output state).
+    hidden_layers: tuple[int, ...] = ()
+    # target_hidden holds the model's own output states (a draft reading them back for
+    # the tokens it drafted), not the target's.
+    own_hidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,5 +57,5 @@ class ExtendResult:
     kv_length: int
     forward_s: float  # the time of the forwards its rows ran in (shared ones in full)
     tokens_processed: int
-    # [hidden_rows, hidden] final-norm outputs of the last hidden_rows tokens, if asked
+    # [hidden_rows, width] the states hidden_layers names of the last hidden_rows tokens
     hidden: torch.Tensor | None = None

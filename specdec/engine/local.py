@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from specdec.core.history import TokenHistory
+from specdec.core.history import FINAL_STATE, HiddenSpec, TokenHistory
 from specdec.core.interfaces import CacheMirror, Proposal, Verification, draft_hidden_rows
 from specdec.core.sampling import SamplingParams
 from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives
@@ -23,6 +23,11 @@ class LocalDrafter:
     @property
     def needs_target_hidden(self) -> bool:
         return self.runner.needs_target_hidden
+
+    @property
+    def target_hidden_spec(self) -> HiddenSpec:
+        reader = self.runner.hidden_reader
+        return FINAL_STATE if reader is None else reader.spec
 
     def propose(self, session_id: str, committed: TokenHistory, num_tokens: int,
                 params: SamplingParams, min_confidence: float = 0.0,
@@ -65,16 +70,17 @@ class LocalVerifier:
         started = time.perf_counter()
         mirror = self._mirrors.setdefault(session_id, CacheMirror())
         resyncs = 0
-        return_hidden = committed.target_hidden is not None
+        log = committed.target_hidden
+        return_hidden, layers = log is not None, () if log is None else log.spec.layers
         try:
             sync = mirror.plan(session_id, committed)
             out = verify_step(self.runner, sync, draft_tokens, draft_probs, params,
-                              return_hidden, alternatives)
+                              return_hidden, alternatives, layers)
         except CacheSyncError:
             resyncs = 1
             sync = mirror.full_resync(session_id, committed)
             out = verify_step(self.runner, sync, draft_tokens, draft_probs, params,
-                              return_hidden, alternatives)
+                              return_hidden, alternatives, layers)
         mirror.record(committed, draft_tokens)
         return Verification(out.verdict.accepted_len, out.verdict.next_token,
                             time.perf_counter() - started, out.forward_s, resyncs,

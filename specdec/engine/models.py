@@ -238,11 +238,17 @@ def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,
 
 
 def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,
-                    progress: bool = True) -> LoadedModel:
+                    progress: bool = True, target_model: str = "") -> LoadedModel:
     """A causal LM for decoding with transformers' stock kernels; a backend
-    (specdec.engine.backends) may then switch its kernels."""
+    (specdec.engine.backends) may then switch its kernels. target_model: the target a
+    draft drafts for (an EAGLE-3 draft is checked against it and may share its
+    embeddings)."""
     source = resolve(name_or_path, progress)
-    model = _model_class(source).from_pretrained(source, dtype=dtype)
+    eagle3 = eagle3_source(source)
+    if eagle3 is not None:
+        model = load_eagle3_for(eagle3, dtype, target_model)
+    else:
+        model = _model_class(source).from_pretrained(source, dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
     token_map = None
     source_path = Path(source)
@@ -257,6 +263,33 @@ def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,
     return LoadedModel(model, tokenizer, token_map, str(name_or_path or DEFAULT_TARGET),
                        f"{str(dtype).removeprefix('torch.')}, torch linear, sdpa attention",
                        row_invariance_caveat(device, dtype, "torch", "sdpa"))
+
+
+def eagle3_source(source: Path | str) -> Path | None:
+    """The local directory of an EAGLE-3 draft (either layout, by its config.json; a hub
+    id is downloaded), or None for any other model."""
+    from specdec.engine.eagle3_formats import directory_layout, layout_of
+
+    if isinstance(source, Path):
+        return source if directory_layout(source) is not None else None
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    config = json.loads(Path(hf_hub_download(source, "config.json")).read_text())
+    return Path(snapshot_download(source)) if layout_of(config) is not None else None
+
+
+def load_eagle3_for(directory: Path, dtype: torch.dtype | None,
+                    target_model: str = "") -> PreTrainedModel:
+    """An EAGLE-3 draft, checked against target_model where one is named."""
+    from transformers import AutoConfig
+
+    from specdec.engine.eagle3_formats import load_eagle3, target_facts
+
+    if not target_model:
+        return load_eagle3(directory, dtype)
+    target_source = resolve(target_model, progress=False)
+    facts = target_facts(AutoConfig.from_pretrained(target_source))
+    return load_eagle3(directory, dtype, facts, target_source)
 
 
 def _model_class(source: Path | str) -> Any:

@@ -36,8 +36,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdec.engine.attention import PACKABLE, PACKING_KWARG, PackedBatch
+from specdec.engine.eagle3 import is_eagle3_draft
 from specdec.engine.extend import ExtendRequest, ExtendResult, Session
-from specdec.engine.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
+from specdec.engine.hidden_states import FINAL, Capture, check_layers, state_reader
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.vocab import VocabAdapter
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
@@ -61,6 +62,8 @@ class _Job:
     positions: list[int]  # each new token's absolute position
     chain_length: int  # tokens that stay (the rest are token-tree branches)
     pieces: list[tuple[int, int]]  # its forwards, as [begin, end) token ranges
+    # The request's target_hidden in the model's input space (StateReader.model_input).
+    hidden_input: torch.Tensor | None = None
     logits: list[torch.Tensor] = field(default_factory=list)
     states: list[torch.Tensor] = field(default_factory=list)
     forward_s: float = 0.0
@@ -75,8 +78,8 @@ class _Job:
         return max(0, piece[1] - max(piece[0], first))
 
     def target_hidden(self, piece: tuple[int, int]) -> torch.Tensor | None:
-        target_hidden = self.entry.request.target_hidden
-        return None if target_hidden is None else target_hidden[piece[0]:piece[1]]
+        hidden = self.hidden_input
+        return None if hidden is None else hidden[piece[0]:piece[1]]
 
 
 class ModelRunner:
@@ -92,13 +95,20 @@ class ModelRunner:
         config = model.config
         self.device = next(model.parameters()).device
         model_rows = int(config.vocab_size)
-        self.vocab = VocabAdapter(model_rows, target_vocab_size or model_rows, token_map)
+        # An EAGLE-3 draft embeds target ids and maps its rows onto them itself (d2t).
+        eagle3 = is_eagle3_draft(model)
+        if eagle3:
+            token_map = model.draft_to_target().cpu()  # type: ignore[operator]
+        self.vocab = VocabAdapter(model_rows, target_vocab_size or model_rows, token_map,
+                                  map_inputs=not eagle3)
         self.max_context = max_context or int(getattr(config, "max_position_embeddings", 2048))
         self.kv_budget_bytes = kv_budget_bytes
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.RLock()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.needs_target_hidden = is_feature_draft(model)
+        # How the model reads hidden states (None: it reads tokens only).
+        self.hidden_reader = state_reader(model)
+        self.needs_target_hidden = self.hidden_reader is not None
         if row_invariance is None:  # not stated by the caller: ask the backends' seam
             from specdec.engine.backends.row_invariance import row_invariance as facts
 
@@ -112,8 +122,9 @@ class ModelRunner:
         # The most rows one packed forward holds; a larger batch is split, whole sessions
         # per forward.
         self.max_batch_rows = self.max_invariant_rows
-        self.target_hidden_size = int(getattr(model.config, TARGET_HIDDEN_SIZE_KEY, 0)
-                                      if self.needs_target_hidden else 0)
+        # Width of the target's rows the model reads (0: none).
+        self.target_hidden_size = (self.hidden_reader.target_width
+                                   if self.hidden_reader is not None else 0)
 
     def placeholder_hidden(self, num_tokens: int) -> torch.Tensor | None:
         """Zero target states for a feature draft's timing and warm-up calls (None for
@@ -157,13 +168,17 @@ class ModelRunner:
     def extend(self, session_id: str, committed_position: int, fingerprint: int,
                tokens: list[int], num_logits: int = 1, *, hidden_rows: int = 0,
                target_hidden: torch.Tensor | None = None,
-               branch_parents: Sequence[int] = ()) -> ExtendResult:
+               branch_parents: Sequence[int] = (), hidden_layers: Sequence[int] = (),
+               own_hidden: bool = False) -> ExtendResult:
         """Roll the session back to committed_position, append tokens, run one forward.
 
         committed_position == 0 (re)starts the session. Raises CacheSyncError when the
         cache does not hold the named prefix, so the caller can re-sync from scratch.
-        hidden_rows: also return the final-norm hidden states of the last hidden_rows
-        tokens. target_hidden: [len(tokens), hidden], what a feature draft reads.
+        hidden_rows: also return the hidden states of the last hidden_rows tokens: the
+        final norm's output, or the inputs of the decoder layers hidden_layers names side
+        by side (a draft that reads states: its own output state). target_hidden:
+        [len(tokens), width], what such a draft reads: the target's states, or with
+        own_hidden its own.
         branch_parents: the last len(branch_parents) tokens are branches of a token tree,
         not a continuation. Token i of the request goes to cache slot committed_position
         + i; branch j's parent is the slot branch_parents[j], a chain slot (the session's
@@ -175,7 +190,8 @@ class ModelRunner:
         """
         result = self.extend_batch([ExtendRequest(
             session_id, committed_position, fingerprint, list(tokens), num_logits,
-            hidden_rows, target_hidden, tuple(branch_parents))])[0]
+            hidden_rows, target_hidden, tuple(branch_parents),
+            hidden_layers=tuple(hidden_layers), own_hidden=own_hidden)])[0]
         if isinstance(result, SpecdecError):
             raise result
         return result
@@ -229,15 +245,17 @@ class ModelRunner:
         if not 0 <= request.hidden_rows <= len(tokens):
             raise InvalidRequest(
                 f"hidden_rows must be in [0, {len(tokens)}], got {request.hidden_rows}")
+        if request.hidden_rows and request.hidden_layers:
+            check_layers(self.model, request.hidden_layers)
         target_hidden = request.target_hidden
-        if self.needs_target_hidden:
-            if target_hidden is None or tuple(target_hidden.shape) != (len(tokens),
-                                                                        self.target_hidden_size):
+        if self.hidden_reader is not None:
+            reader = self.hidden_reader
+            width = reader.own_width if request.own_hidden else reader.target_width
+            if target_hidden is None or tuple(target_hidden.shape) != (len(tokens), width):
                 shape = None if target_hidden is None else tuple(target_hidden.shape)
                 raise InvalidRequest(
                     f"this draft reads the target's hidden states: expected "
-                    f"[{len(tokens)}, {self.target_hidden_size}] for {len(tokens)} tokens, "
-                    f"got {shape}")
+                    f"[{len(tokens)}, {width}] for {len(tokens)} tokens, got {shape}")
         elif target_hidden is not None:
             raise InvalidRequest("target hidden states given to a model that does not read them")
         new_length = committed_position + len(tokens)
@@ -389,9 +407,13 @@ class ModelRunner:
         positions = list(range(start, start + chain_length))
         for parent in request.branch_parents:  # a branch sits one after its parent
             positions.append((positions[parent - start] if parent >= start else parent) + 1)
+        hidden_input = None
+        if request.target_hidden is not None and self.hidden_reader is not None:
+            hidden_input = self.hidden_reader.model_input(self.model, request.target_hidden,
+                                                          request.own_hidden)
         return _Job(entry, start, positions, chain_length,
                     self._pieces(len(request.tokens), request.num_logits,
-                                 request.prefill_length if start == 0 else 0))
+                                 request.prefill_length if start == 0 else 0), hidden_input)
 
     def _run_alone(self, job: _Job, piece: tuple[int, int]) -> None:
         request = job.entry.request
@@ -400,13 +422,13 @@ class ModelRunner:
         started = time.perf_counter()
         out, states = self._model_forward(
             job.entry.session.cache, request.tokens[begin:end], job.positions[begin:end],
-            max(1, piece_logits), bool(request.hidden_rows), job.target_hidden(piece),
+            max(1, piece_logits), _capture_keys([request]), job.target_hidden(piece),
             self._tree_mask(job, begin, end))
         job.forward_s += time.perf_counter() - started
         if piece_logits > 0:
             job.logits.append(out[-piece_logits:])
         if states is not None:
-            job.states.append(states)
+            job.states.append(states.rows(request.hidden_layers))
 
     def _run_packed(self, jobs: list[_Job]) -> None:
         tokens: list[int] = []
@@ -426,10 +448,10 @@ class ModelRunner:
             masks.append(self._tree_mask(job, begin, end))
         packed = PackedBatch([job.entry.session.cache for job in jobs],
                              [job.rows(job.pieces[-1]) for job in jobs], masks)
-        capture = any(job.entry.request.hidden_rows for job in jobs)
         started = time.perf_counter()
         out, states = self._model_forward(
-            packed, tokens, positions, torch.tensor(keep, device=self.device), capture,
+            packed, tokens, positions, torch.tensor(keep, device=self.device),
+            _capture_keys([job.entry.request for job in jobs]),
             torch.cat(hidden) if hidden else None,
             # A 4-D mask is used as given, so transformers builds none: each sequence's
             # attention builds its own from the packed layout.
@@ -442,7 +464,7 @@ class ModelRunner:
             rows, logit_rows = job.rows(piece), job.logit_rows(piece)
             job.logits.append(out[logit:logit + logit_rows])
             if states is not None and job.entry.request.hidden_rows:
-                job.states.append(states[row:row + rows])
+                job.states.append(states.rows(job.entry.request.hidden_layers, row, row + rows))
             job.forward_s += forward_s
             row += rows
             logit += logit_rows
@@ -533,14 +555,14 @@ class ModelRunner:
         return mask
 
     def _model_forward(self, cache: Any, tokens: list[int], token_positions: list[int],
-                       logits_to_keep: int | torch.Tensor, capture_states: bool,
+                       logits_to_keep: int | torch.Tensor, capture_keys: tuple[int, ...],
                        target_hidden: torch.Tensor | None,
                        attention_mask: torch.Tensor | None = None,
                        extra: dict[str, object] | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor, Capture | None]:
         """One model forward of tokens at token_positions over cache: the logits of the
-        rows logits_to_keep names (the last n, or these indices), and the final-norm
-        states of every row if capture_states."""
+        rows logits_to_keep names (the last n, or these indices), and the states of every
+        row that capture_keys names (hidden_states.Capture; none: no capture)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         ids = self.vocab.to_model_inputs(ids)
         positions = torch.tensor([token_positions], dtype=torch.long, device=self.device)
@@ -553,20 +575,25 @@ class ModelRunner:
             kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
-        captured: list[torch.Tensor] = []
-        hook = None
-        if capture_states:
-            # The final norm sees every position, the LM head only the kept rows.
-            hook = final_norm(self.model).register_forward_hook(
-                lambda _module, _inputs, output: captured.append(output))
+        # The final norm and the layers see every position, the LM head the kept rows.
+        capture = Capture(self.model, capture_keys) if capture_keys else None
         try:
             out = self.model(input_ids=ids, cache=cache, position_ids=positions,
                              use_cache=True, **kwargs)
         finally:
-            if hook is not None:
-                hook.remove()
+            if capture is not None:
+                capture.remove()
         logits = out.logits[0]
         if not self._logits_to_keep:
             logits = logits[-logits_to_keep:] if isinstance(logits_to_keep, int) \
                 else logits[logits_to_keep]
-        return logits, (captured[-1][0] if capture_states else None)
+        return logits, capture
+
+
+def _capture_keys(requests: Sequence[ExtendRequest]) -> tuple[int, ...]:
+    """The states a forward of these requests captures (Capture's keys)."""
+    keys: set[int] = set()
+    for request in requests:
+        if request.hidden_rows:
+            keys.update(request.hidden_layers or (FINAL,))
+    return tuple(sorted(keys))

@@ -131,9 +131,10 @@ class DraftJob:
     how many levels below the chain branches go (1: every branch follows a chain token;
     0: no cap).
 
-    target_hidden: for a feature draft, the target's hidden state one position before
-    each of sync.append's tokens; its own output state stands in for the tokens it drafts
-    (a feature draft proposes chains: its branches would need states it does not have).
+    target_hidden: for a draft that reads states (a feature or EAGLE-3 draft), the
+    target's state one position before each of sync.append's tokens; its own output
+    state stands in for the tokens it drafts (such a draft proposes chains: its branches
+    would need states it does not have).
     """
 
     def __init__(self, runner: ModelRunner, sync: SyncPoint, num_tokens: int,
@@ -273,7 +274,8 @@ class DraftJob:
         return ExtendRequest(self.session_id, result.kv_length, self._fingerprint, tokens,
                              num_logits=len(tokens) if rows else 1,
                              hidden_rows=self._hidden_rows, target_hidden=result.hidden,
-                             branch_parents=tuple(parents))
+                             branch_parents=tuple(parents),
+                             own_hidden=result.hidden is not None)
 
     def output(self) -> DraftOutput:
         k = len(self.tokens)
@@ -291,12 +293,14 @@ class VerifyJob:
     """One verification: draft_probs is the dense q over the target vocabulary, one row
     per draft token and per alternative with children (ignored when greedy); the
     alternatives (a token tree's other nodes) are verified in the same forward and leave
-    the target's cache."""
+    the target's cache. hidden_layers: with return_hidden, return the inputs of these
+    decoder layers side by side instead of the final norm's output."""
 
     def __init__(self, sync: SyncPoint, draft_tokens: list[int],
                  draft_probs: torch.Tensor | None, params: SamplingParams,
                  return_hidden: bool = False,
-                 alternatives: Alternatives = NO_ALTERNATIVES) -> None:
+                 alternatives: Alternatives = NO_ALTERNATIVES,
+                 hidden_layers: tuple[int, ...] = ()) -> None:
         try:
             alternatives.check(len(draft_tokens))
         except ValueError as error:
@@ -323,7 +327,7 @@ class VerifyJob:
             num_logits=k + 1 + len(alternatives),
             hidden_rows=len(block) if return_hidden else 0,
             branch_parents=tuple(base + parent for parent in alternatives.parents),
-            prefill_length=sync.prefill_length)
+            prefill_length=sync.prefill_length, hidden_layers=hidden_layers)
         self._output: VerifyOutput | None = None
 
     @property
@@ -424,10 +428,11 @@ def verify_batch(runner: ModelRunner, items: Sequence[VerifyJob]
 def verify_step(runner: ModelRunner, sync: SyncPoint, draft_tokens: list[int],
                 draft_probs: torch.Tensor | None, params: SamplingParams,
                 return_hidden: bool = False,
-                alternatives: Alternatives = NO_ALTERNATIVES) -> VerifyOutput:
+                alternatives: Alternatives = NO_ALTERNATIVES,
+                hidden_layers: tuple[int, ...] = ()) -> VerifyOutput:
     """One verification alone (see VerifyJob)."""
     out = verify_batch(runner, [VerifyJob(sync, draft_tokens, draft_probs, params,
-                                          return_hidden, alternatives)])[0]
+                                          return_hidden, alternatives, hidden_layers)])[0]
     if isinstance(out, Exception):
         raise out
     return out

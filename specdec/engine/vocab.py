@@ -14,17 +14,23 @@ import torch
 
 class VocabAdapter:
     def __init__(self, model_rows: int, target_vocab_size: int,
-                 token_map: torch.Tensor | None = None) -> None:
+                 token_map: torch.Tensor | None = None, map_inputs: bool = True) -> None:
+        """map_inputs: whether the model's inputs are draft ids too (an UNK row for the
+        target ids outside the map); False for a model that embeds target ids (EAGLE-3),
+        whose token_map names its output rows only."""
         self.target_vocab_size = target_vocab_size
         self.token_map = token_map
         if token_map is None:
             self.usable_rows = min(model_rows, target_vocab_size)
             self._input_map: torch.Tensor | None = None
         else:
-            if int(token_map.max()) >= target_vocab_size:
+            if int(token_map.max()) >= target_vocab_size or int(token_map.min()) < 0:
                 raise ValueError("token_map names ids outside the target vocabulary")
             # Rows beyond the map (the UNK input row, padding) are never proposed.
             self.usable_rows = token_map.shape[0]
+            self._input_map = None
+            if not map_inputs:
+                return
             unk_row = token_map.shape[0]
             if model_rows <= unk_row:
                 raise ValueError(f"reduced-vocab draft needs an UNK row at {unk_row}")

@@ -9,6 +9,8 @@ rejected with InvalidRequest naming the field.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -19,7 +21,6 @@ from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import common_pb2
 
 _F32 = np.dtype("<f4")
-_F16 = np.dtype("<f2")
 _I32 = np.dtype("<i4")
 
 
@@ -163,10 +164,31 @@ def decode_probs(message: common_pb2.DraftProbs, num_rows: int, vocab_size: int,
 
 
 # -- target hidden states ------------------------------------------------------------------
-def encode_hidden(hidden: torch.Tensor) -> common_pb2.HiddenStates:
-    rows = hidden.detach().to("cpu", torch.float16).contiguous().numpy().astype(_F16)
+# HiddenStates.dtype -> bytes per value and the little-endian integer view that carries
+# it (bfloat16 has no numpy type: its bits travel as uint16).
+_HIDDEN_DTYPES: dict[str, tuple[torch.dtype, np.dtype[Any]]] = {
+    "float16": (torch.float16, np.dtype("<u2")),
+    "bfloat16": (torch.bfloat16, np.dtype("<u2")),
+    "float32": (torch.float32, np.dtype("<u4"))}
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+def hidden_dtype(name: str) -> str:
+    """The HiddenStates.dtype `name` means ("" is float16); InvalidRequest if unknown."""
+    name = name or "float16"
+    if name not in _HIDDEN_DTYPES:
+        raise InvalidRequest(f"hidden state dtype must be one of {', '.join(_HIDDEN_DTYPES)}, "
+                             f"got {name!r}")
+    return name
+
+
+def encode_hidden(hidden: torch.Tensor, dtype: str = "float16") -> common_pb2.HiddenStates:
+    torch_dtype, carrier = _HIDDEN_DTYPES[hidden_dtype(dtype)]
+    values = hidden.detach().to("cpu", torch_dtype).contiguous()
+    bits = values.view(_BITS[carrier.itemsize]).numpy().astype(carrier)
     return common_pb2.HiddenStates(num_rows=hidden.shape[0], hidden_size=hidden.shape[1],
-                                   values=rows.tobytes())
+                                   values=bits.tobytes(),
+                                   dtype="" if dtype == "float16" else dtype)
 
 
 def decode_hidden(message: common_pb2.HiddenStates, num_rows: int, hidden_size: int,
@@ -176,11 +198,14 @@ def decode_hidden(message: common_pb2.HiddenStates, num_rows: int, hidden_size: 
         raise InvalidRequest(
             f"{field} must hold {num_rows} rows of {hidden_size} values (one per appended "
             f"token), got {message.num_rows} x {message.hidden_size}")
-    if len(message.values) != 2 * num_rows * hidden_size:
-        raise InvalidRequest(f"{field}.values must be {num_rows * hidden_size} float16 values, "
-                             f"got {len(message.values)} bytes")
-    values = np.frombuffer(message.values, dtype=_F16).astype(np.float32)
-    hidden = torch.from_numpy(values).reshape(num_rows, hidden_size)
+    dtype = hidden_dtype(message.dtype)
+    torch_dtype, carrier = _HIDDEN_DTYPES[dtype]
+    if len(message.values) != carrier.itemsize * num_rows * hidden_size:
+        raise InvalidRequest(f"{field}.values must be {num_rows * hidden_size} {dtype} "
+                             f"values, got {len(message.values)} bytes")
+    bits = np.frombuffer(message.values, dtype=carrier).astype(carrier.newbyteorder("="))
+    values = torch.from_numpy(bits.view(f"i{carrier.itemsize}")).view(torch_dtype)
+    hidden = values.float().reshape(num_rows, hidden_size)
     if not bool(torch.isfinite(hidden).all()):
         raise InvalidRequest(f"{field} must be finite")
     return hidden

@@ -23,12 +23,14 @@ class Backend(ABC):
         """Process-wide settings (threads); called once, before the first load."""
 
     @abstractmethod
-    def load(self, name_or_path: str, *, progress: bool = False) -> LoadedModel:
-        """A model in this backend's dtype and kernels (the target, or any model)."""
+    def load(self, name_or_path: str, *, progress: bool = False,
+             target_model: str = "") -> LoadedModel:
+        """A model in this backend's dtype and kernels (the target, or any model);
+        target_model: the target a draft drafts for (models.load_pretrained)."""
 
     @abstractmethod
     def load_draft(self, name_or_path: str, *, target_vocab_size: int | None,
-                   progress: bool = False) -> DraftChoice:
+                   progress: bool = False, target_model: str = "") -> DraftChoice:
         """The draft, in the precision this backend chooses for it."""
 
     def describe(self) -> str:

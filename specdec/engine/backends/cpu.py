@@ -39,11 +39,13 @@ class CpuTunedBackend(Backend):
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
 
-    def load(self, name_or_path: str, *, progress: bool = False) -> LoadedModel:
+    def load(self, name_or_path: str, *, progress: bool = False,
+             target_model: str = "") -> LoadedModel:
         from specdec.engine.attention import apply_attention_kernel
         from specdec.engine.kernels import apply_linear_kernel
 
-        loaded = load_pretrained(name_or_path, self.device, self.dtype, progress)
+        loaded = load_pretrained(name_or_path, self.device, self.dtype, progress,
+                                 target_model)
         linear = apply_linear_kernel(loaded.model, self.linear_kernel)
         attention = apply_attention_kernel(loaded.model, self.attention_kernel)
         loaded.precision = (f"{str(self.dtype).removeprefix('torch.')}, {linear} linear, "
@@ -54,11 +56,12 @@ class CpuTunedBackend(Backend):
         return loaded
 
     def load_draft(self, name_or_path: str, *, target_vocab_size: int | None,
-                   progress: bool = False) -> DraftChoice:
+                   progress: bool = False, target_model: str = "") -> DraftChoice:
         def load(option: Precision) -> LoadedModel:
             return load_causal_lm(name_or_path, self.device, option.dtype, progress=progress,
                                   linear_kernel=option.linear_kernel,
-                                  attention_kernel=self.attention_kernel)
+                                  attention_kernel=self.attention_kernel,
+                                  target_model=target_model)
 
         return load_draft(load, self.device, self.draft_dtype, self.draft_linear_kernel,
                           shared_dtype=self.dtype, target_vocab_size=target_vocab_size,
@@ -72,9 +75,9 @@ class CpuTunedBackend(Backend):
 
 def load_causal_lm(name_or_path: str, device: torch.device, dtype: torch.dtype,
                    progress: bool = True, linear_kernel: str = "auto",
-                   attention_kernel: str = "auto") -> LoadedModel:
+                   attention_kernel: str = "auto", target_model: str = "") -> LoadedModel:
     """Load a causal LM through the cpu-tuned backend with these kernels ("auto" resolves
-    to the stock kernels off the CPU)."""
+    to the stock kernels off the CPU). target_model: the target a draft drafts for."""
     backend = CpuTunedBackend(device, dtype, linear_kernel=linear_kernel,
                               attention_kernel=attention_kernel)
-    return backend.load(name_or_path, progress=progress)
+    return backend.load(name_or_path, progress=progress, target_model=target_model)

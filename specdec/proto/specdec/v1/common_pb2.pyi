@@ -201,9 +201,10 @@ Global___SparseProbs: _TypeAlias = SparseProbs  # noqa: Y015
 
 @_typing.final
 class HiddenStates(_message.Message):
-    """Final hidden states of the target (what its LM head reads), one row per position, for a
-    draft that reads them (a feature draft). They shape only q, never the acceptance rule,
-    so float16 is exact enough.
+    """Hidden states of the target, one row per position, for a draft that reads them: the
+    final norm's output (what its LM head reads; a feature draft), or the inputs of some of
+    its layers side by side (an EAGLE-3 draft). They shape only q, never the acceptance
+    rule, so a reduced precision keeps decoding exact.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -211,20 +212,24 @@ class HiddenStates(_message.Message):
     NUM_ROWS_FIELD_NUMBER: _builtins.int
     HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
     VALUES_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     num_rows: _builtins.int
     hidden_size: _builtins.int
     values: _builtins.bytes
-    """float16 LE, num_rows * hidden_size values, row-major."""
+    """num_rows * hidden_size values in `dtype`, little-endian, row-major."""
+    dtype: _builtins.str
+    """"float16" (also when empty), "bfloat16" or "float32"."""
     def __init__(
         self,
         *,
         num_rows: _builtins.int = ...,
         hidden_size: _builtins.int = ...,
         values: _builtins.bytes = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_size", b"hidden_size", "num_rows", b"num_rows", "values", b"values"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "hidden_size", b"hidden_size", "num_rows", b"num_rows", "values", b"values"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.proto.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x80\x02\n\x0eProposeRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.SyncPoint\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emin_confidence\x18\x04 \x01(\x02\x12\x36\n\x14target_hidden_states\x18\x05 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\x18\n\x10num_alternatives\x18\x06 \x01(\x05\x12\x1d\n\x15max_alternative_depth\x18\x07 \x01(\x05\"\xca\x01\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12%\n\x05probs\x18\x02 \x01(\x0b\x32\x16.specdec.v1.DraftProbs\x12\x11\n\tkv_length\x18\x03 \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12.\n\x0c\x61lternatives\x18\x05 \x01(\x0b\x32\x18.specdec.v1.Alternatives\x12$\n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x15.specdec.v1.BatchInfo\")\n\x13\x44raftReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x14\x44raftReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x11\n\x0f\x44\x65scribeRequest\"A\n\x10\x44\x65scribeResponse\x12\x1a\n\x12target_hidden_size\x18\x01 \x01(\r\x12\x11\n\tprecision\x18\x02 \x01(\t2\xe0\x01\n\x05\x44raft\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12L\n\x07Release\x12\x1f.specdec.v1.DraftReleaseRequest\x1a .specdec.v1.DraftReleaseResponse\x12\x45\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x1c.specdec.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x80\x02\n\x0eProposeRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.SyncPoint\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emin_confidence\x18\x04 \x01(\x02\x12\x36\n\x14target_hidden_states\x18\x05 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\x18\n\x10num_alternatives\x18\x06 \x01(\x05\x12\x1d\n\x15max_alternative_depth\x18\x07 \x01(\x05\"\xca\x01\n\x0fProposeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12%\n\x05probs\x18\x02 \x01(\x0b\x32\x16.specdec.v1.DraftProbs\x12\x11\n\tkv_length\x18\x03 \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12.\n\x0c\x61lternatives\x18\x05 \x01(\x0b\x32\x18.specdec.v1.Alternatives\x12$\n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x15.specdec.v1.BatchInfo\")\n\x13\x44raftReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x14\x44raftReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x11\n\x0f\x44\x65scribeRequest\"u\n\x10\x44\x65scribeResponse\x12\x1a\n\x12target_hidden_size\x18\x01 \x01(\r\x12\x11\n\tprecision\x18\x02 \x01(\t\x12\x1c\n\x14target_hidden_layers\x18\x03 \x03(\r\x12\x14\n\x0chidden_dtype\x18\x04 \x01(\t2\xe0\x01\n\x05\x44raft\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12L\n\x07Release\x12\x1f.specdec.v1.DraftReleaseRequest\x1a .specdec.v1.DraftReleaseResponse\x12\x45\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x1c.specdec.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,7 +43,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=612
   _globals['_DESCRIBEREQUEST']._serialized_end=629
   _globals['_DESCRIBERESPONSE']._serialized_start=631
-  _globals['_DESCRIBERESPONSE']._serialized_end=696
-  _globals['_DRAFT']._serialized_start=699
-  _globals['_DRAFT']._serialized_end=923
+  _globals['_DESCRIBERESPONSE']._serialized_end=748
+  _globals['_DRAFT']._serialized_start=751
+  _globals['_DRAFT']._serialized_end=975
 # @@protoc_insertion_point(module_scope)

@@ -187,6 +187,8 @@ class DescribeResponse(_message.Message):
 
     TARGET_HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
     PRECISION_FIELD_NUMBER: _builtins.int
+    TARGET_HIDDEN_LAYERS_FIELD_NUMBER: _builtins.int
+    HIDDEN_DTYPE_FIELD_NUMBER: _builtins.int
     target_hidden_size: _builtins.int
     """Width of the target hidden states each Propose must carry; 0 = the draft proposes
     from tokens alone.
@@ -198,15 +200,25 @@ class DescribeResponse(_message.Message):
     compiled, the faster one-token step of eager 3.3 ms, compiled 2.6 ms ..."
     (--draft-compile). For operators and benchmarks; the output does not depend on it.
     """
+    hidden_dtype: _builtins.str
+    """The precision the hidden states travel in (HiddenStates.dtype; empty = float16)."""
+    @_builtins.property
+    def target_hidden_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The target layers whose inputs the hidden states hold, side by side (for
+        VerifyRequest.hidden_layers); empty = the target's final norm output.
+        """
+
     def __init__(
         self,
         *,
         target_hidden_size: _builtins.int = ...,
         precision: _builtins.str = ...,
+        target_hidden_layers: _abc.Iterable[_builtins.int] | None = ...,
+        hidden_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["precision", b"precision", "target_hidden_size", b"target_hidden_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_dtype", b"hidden_dtype", "precision", b"precision", "target_hidden_layers", b"target_hidden_layers", "target_hidden_size", b"target_hidden_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

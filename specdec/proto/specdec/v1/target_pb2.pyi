@@ -29,8 +29,12 @@ class VerifyRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     ALTERNATIVES_FIELD_NUMBER: _builtins.int
+    HIDDEN_LAYERS_FIELD_NUMBER: _builtins.int
+    HIDDEN_DTYPE_FIELD_NUMBER: _builtins.int
     return_hidden_states: _builtins.bool
     """Also return the hidden states of the tokens this call commits (for a feature draft)."""
+    hidden_dtype: _builtins.str
+    """With return_hidden_states: the precision of hidden_states (HiddenStates.dtype)."""
     @_builtins.property
     def sync(self) -> _common_pb2.SyncPoint: ...
     @_builtins.property
@@ -51,6 +55,12 @@ class VerifyRequest(_message.Message):
         the session's cache.
         """
 
+    @_builtins.property
+    def hidden_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With return_hidden_states: return the inputs of these decoder layers side by side
+        (an EAGLE-3 draft's; Draft.Describe names them); empty = the final norm's output.
+        """
+
     def __init__(
         self,
         *,
@@ -60,10 +70,12 @@ class VerifyRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         return_hidden_states: _builtins.bool = ...,
         alternatives: _common_pb2.Alternatives | None = ...,
+        hidden_layers: _abc.Iterable[_builtins.int] | None = ...,
+        hidden_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "draft_probs", b"draft_probs", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "draft_probs", b"draft_probs", "draft_tokens", b"draft_tokens", "return_hidden_states", b"return_hidden_states", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "draft_probs", b"draft_probs", "draft_tokens", b"draft_tokens", "hidden_dtype", b"hidden_dtype", "hidden_layers", b"hidden_layers", "return_hidden_states", b"return_hidden_states", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
