@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -23,6 +23,9 @@ from transformers import (
 )
 
 from specdec.settings import SETTINGS, default
+
+if TYPE_CHECKING:
+    from specdec.engine.eagle3 import Eagle3DraftForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +282,7 @@ def eagle3_source(source: Path | str) -> Path | None:
 
 
 def load_eagle3_for(directory: Path, dtype: torch.dtype | None,
-                    target_model: str = "") -> PreTrainedModel:
+                    target_model: str = "") -> Eagle3DraftForCausalLM:
     """An EAGLE-3 draft, checked against target_model where one is named."""
     from transformers import AutoConfig
 
