@@ -10,7 +10,7 @@ drafts itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from specdec.core.history import FINAL_STATE, HiddenSpec
 from specdec.engine.eagle3 import Eagle3DraftForCausalLM, is_eagle3_draft
+from specdec.engine.extend import ExtendRequest
 from specdec.engine.feature_draft import TARGET_HIDDEN_SIZE_KEY, final_norm, is_feature_draft
 from specdec.errors import InvalidRequest
 
@@ -41,6 +42,15 @@ def check_layers(model: PreTrainedModel, layers: Iterable[int]) -> None:
     if bad:
         raise InvalidRequest(f"hidden state layers {bad} are not among this target's "
                              f"{count} decoder layers (0..{count - 1})")
+
+
+def capture_keys(requests: Sequence[ExtendRequest]) -> tuple[int, ...]:
+    """The states a forward of these requests captures (Capture's keys)."""
+    keys: set[int] = set()
+    for request in requests:
+        if request.hidden_rows:
+            keys.update(request.hidden_layers or (FINAL,))
+    return tuple(sorted(keys))
 
 
 class Capture:

@@ -38,7 +38,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specdec.engine.attention import PACKABLE, PACKING_KWARG, PackedBatch
 from specdec.engine.eagle3 import is_eagle3_draft
 from specdec.engine.extend import ExtendRequest, ExtendResult, Session
-from specdec.engine.hidden_states import FINAL, Capture, check_layers, state_reader
+from specdec.engine.hidden_states import Capture, capture_keys, check_layers, state_reader
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.vocab import VocabAdapter
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
@@ -127,8 +127,8 @@ class ModelRunner:
                                    if self.hidden_reader is not None else 0)
 
     def placeholder_hidden(self, num_tokens: int) -> torch.Tensor | None:
-        """Zero target states for a feature draft's timing and warm-up calls (None for
-        other models): the cost of a forward does not depend on their values."""
+        """Zero target states for the timing and warm-up calls of a draft that reads them
+        (None for other models): the cost of a forward does not depend on their values."""
         if not self.needs_target_hidden:
             return None
         return torch.zeros(num_tokens, self.target_hidden_size)
@@ -422,7 +422,7 @@ class ModelRunner:
         started = time.perf_counter()
         out, states = self._model_forward(
             job.entry.session.cache, request.tokens[begin:end], job.positions[begin:end],
-            max(1, piece_logits), _capture_keys([request]), job.target_hidden(piece),
+            max(1, piece_logits), capture_keys([request]), job.target_hidden(piece),
             self._tree_mask(job, begin, end))
         job.forward_s += time.perf_counter() - started
         if piece_logits > 0:
@@ -451,7 +451,7 @@ class ModelRunner:
         started = time.perf_counter()
         out, states = self._model_forward(
             packed, tokens, positions, torch.tensor(keep, device=self.device),
-            _capture_keys([job.entry.request for job in jobs]),
+            capture_keys([job.entry.request for job in jobs]),
             torch.cat(hidden) if hidden else None,
             # A 4-D mask is used as given, so transformers builds none: each sequence's
             # attention builds its own from the packed layout.
@@ -588,12 +588,3 @@ class ModelRunner:
             logits = logits[-logits_to_keep:] if isinstance(logits_to_keep, int) \
                 else logits[logits_to_keep]
         return logits, capture
-
-
-def _capture_keys(requests: Sequence[ExtendRequest]) -> tuple[int, ...]:
-    """The states a forward of these requests captures (Capture's keys)."""
-    keys: set[int] = set()
-    for request in requests:
-        if request.hidden_rows:
-            keys.update(request.hidden_layers or (FINAL,))
-    return tuple(sorted(keys))
