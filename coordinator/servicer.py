@@ -153,7 +153,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                              self.settings.num_alternatives,
                              self.settings.prompt_lookup_tokens,
                              max_prompt_tokens=self.settings.max_prompt_tokens,
-                             suffix_enabled=self.settings.suffix_max_tokens > 0)
+                             default_suffix_tokens=self.settings.suffix_max_tokens)
         # Earlier responses, per tenant, that suffix decoding proposes from.
         self.suffix_cache = SuffixCache(self.settings.suffix_max_tree_depth,
                                         self.settings.suffix_max_cached_requests,
@@ -193,7 +193,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return cancelled.is_set() or not context.is_active()
 
         self._admit(context, is_cancelled, deadline)
-        tenant = self.tenant(context)
+        tenant = self.tenant(context, request.cache_salt)
         try:
             with self.telemetry.request(request.request_id, len(valid.prompt_ids)) as observed:
                 result = self.run(valid, request.request_id, deadline, is_cancelled,
@@ -223,7 +223,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return cancelled.is_set() or not context.is_active()
 
         self._admit(context, is_cancelled, deadline)
-        tenant = self.tenant(context)
+        tenant = self.tenant(context, request.cache_salt)
         chunks: queue.Queue[coordinator_pb2.GenerateResponse | BaseException | None] = queue.Queue()
         chunker = StreamChunker(self.decode, valid.stop)
         output: list[int] = []
@@ -294,15 +294,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                               "SPECDEC_MAX_CONCURRENT_REQUESTS)")
             context.abort(grpc.StatusCode.CANCELLED, "client cancelled while queued")
 
-    def tenant(self, context: grpc.ServicerContext) -> str:
+    def tenant(self, context: grpc.ServicerContext, cache_salt: str = "") -> str:
         """Whose earlier responses suffix decoding may propose from: the caller's API key
         (a digest of it, never the key), so one key's outputs never speculate for
-        another's; "" for calls without a key, or for all when sharing is on."""
-        if self.settings.suffix_share_tenants:
-            return ""
-        header = next((str(value) for name, value in context.invocation_metadata() or ()
-                       if name == "authorization"), "")
-        return hashlib.sha256(header.strip().encode()).hexdigest() if header else ""
+        another's ("" for calls without a key, or for all when sharing is on), narrowed
+        by the request's cache_salt, so requests with different salts share nothing."""
+        key = ""
+        if not self.settings.suffix_share_tenants:
+            header = next((str(value) for name, value in context.invocation_metadata() or ()
+                           if name == "authorization"), "")
+            key = hashlib.sha256(header.strip().encode()).hexdigest() if header else ""
+        if not cache_salt:
+            return key
+        return key + "/" + hashlib.sha256(cache_salt.encode()).hexdigest()
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, valid: ValidRequest, request_id: str, deadline: float | None,
@@ -380,7 +384,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                             self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
 
     def _suffix(self, valid: ValidRequest, tenant: str) -> SuffixProposer | None:
-        if (valid.num_draft_tokens == 0 or self.settings.suffix_max_tokens == 0
+        if (valid.num_draft_tokens == 0 or valid.suffix_tokens == 0
                 or valid.method not in (AUTO, SUFFIX)):
             return None
         # A fixed-length auto request proposes from its own text alone, so that a seeded
@@ -389,7 +393,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # The target verifies at most max_draft_tokens chain tokens and DECODE_ROWS
         # alternatives a round.
         return SuffixProposer(self.target.vocab_size,
-                              min(self.settings.suffix_max_tokens,
+                              min(valid.suffix_tokens,
                                   self.settings.max_draft_tokens, DECODE_ROWS + 1),
                               self.suffix_cache if shared else None, tenant,
                               self.settings.suffix_max_tree_depth,

@@ -13,6 +13,9 @@ from specdec.proto.specdec.v1 import coordinator_pb2
 from specdec.serving import wire
 from specdec.settings import SPECULATION_METHODS
 
+# A cache salt names a partition of the suffix cache; longer ones are not names.
+MAX_CACHE_SALT_BYTES = 256
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -26,7 +29,7 @@ class Limits:
     default_alternatives: int = 0  # greedy requests that do not set their own
     default_lookup_tokens: int = 0  # requests that do not set their own
     max_prompt_tokens: int = 0  # SPECDEC_MAX_PROMPT_TOKENS; 0 = the target's context
-    suffix_enabled: bool = False  # SPECDEC_SUFFIX_MAX_TOKENS > 0
+    default_suffix_tokens: int = 0  # SPECDEC_SUFFIX_MAX_TOKENS: 0 = suffix decoding off
 
 
 # SpeculationParams.method: where a round's proposals come from ("" = auto).
@@ -47,6 +50,7 @@ class ValidRequest:
     prompt_lookup_tokens: int = 0
     max_alternative_depth: int = 0
     method: str = AUTO  # NONE only with num_draft_tokens 0
+    suffix_tokens: int = 0
 
 
 def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
@@ -62,6 +66,9 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
                              f"(SPECDEC_MAX_NEW_TOKENS_LIMIT), got {request.max_new_tokens}")
     sampling = (wire.sampling_from_proto(request.sampling) if request.HasField("sampling")
                 else SamplingParams())
+    if len(request.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, got "
+                             f"{len(request.cache_salt.encode())}")
     method = speculation_method(request, limits)
     num_draft_tokens, adaptive = speculation_mode(request, limits)
     if method == NONE:
@@ -95,8 +102,20 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
         if not 0 <= lookup_tokens <= limits.max_draft_tokens:
             raise InvalidRequest(f"speculation.prompt_lookup_tokens must be in "
                                  f"[0, {limits.max_draft_tokens}], got {lookup_tokens}")
+    suffix_tokens = limits.default_suffix_tokens
+    if request.HasField("speculation") and request.speculation.HasField("suffix_tokens"):
+        if limits.default_suffix_tokens == 0 and request.speculation.suffix_tokens:
+            raise InvalidRequest("speculation.suffix_tokens: suffix decoding is off on this "
+                                 "coordinator (SPECDEC_SUFFIX_MAX_TOKENS is 0)")
+        suffix_tokens = request.speculation.suffix_tokens
+        if not 0 <= suffix_tokens <= limits.default_suffix_tokens:
+            raise InvalidRequest(f"speculation.suffix_tokens must be in "
+                                 f"[0, {limits.default_suffix_tokens}] "
+                                 f"(SPECDEC_SUFFIX_MAX_TOKENS), got {suffix_tokens}")
     if method == NONE:
         check_target_only(request)
+    if method == SUFFIX and suffix_tokens == 0:
+        raise InvalidRequest("speculation.method \"suffix\" needs suffix_tokens > 0")
     if method == LOOKUP and lookup_tokens == 0:
         raise InvalidRequest("speculation.method \"lookup\" needs prompt_lookup_tokens > 0 "
                              "(the coordinator's SPECDEC_PROMPT_LOOKUP_TOKENS is 0 unless the "
@@ -132,7 +151,7 @@ def validate(request: coordinator_pb2.GenerateRequest, limits: Limits,
             f"{limits.max_context - len(prompt_ids)}")
     return ValidRequest(prompt_ids, request.max_new_tokens, sampling, num_draft_tokens,
                         adaptive, stop, draft_confidence, num_alternatives, lookup_tokens,
-                        max_alternative_depth, method)
+                        max_alternative_depth, method, suffix_tokens)
 
 
 def speculation_method(request: coordinator_pb2.GenerateRequest, limits: Limits) -> str:
@@ -142,7 +161,7 @@ def speculation_method(request: coordinator_pb2.GenerateRequest, limits: Limits)
     if method not in METHODS:
         raise InvalidRequest(f"speculation.method must be one of {', '.join(METHODS)} "
                              f"(empty = auto), got {method!r}")
-    if method == SUFFIX and not limits.suffix_enabled:
+    if method == SUFFIX and not limits.default_suffix_tokens:
         raise InvalidRequest("speculation.method \"suffix\" is off on this coordinator "
                              "(SPECDEC_SUFFIX_MAX_TOKENS is 0); use auto, draft or lookup")
     return method
@@ -179,7 +198,7 @@ def check_target_only(request: coordinator_pb2.GenerateRequest) -> None:
     without a draft."""
     speculation = request.speculation
     speculative = [name for name in ("draft_confidence", "num_alternatives",
-                                     "prompt_lookup_tokens")
+                                     "prompt_lookup_tokens", "suffix_tokens")
                    if speculation.HasField(name) and getattr(speculation, name) != 0]
     if speculation.max_alternative_depth:
         speculative.append("max_alternative_depth")

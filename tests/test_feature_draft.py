@@ -171,6 +171,8 @@ def services(models) -> Iterator[Services]:
 def _request(k: int, **sampling: float) -> coordinator_pb2.GenerateRequest:
     message = coordinator_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=30)
     message.speculation.num_draft_tokens = k
+    # The in-process loop below has prompt lookup and no suffix cache: the same sources.
+    message.speculation.suffix_tokens = 0
     if sampling:
         message.sampling.CopyFrom(common_pb2.SamplingParams(**sampling))  # type: ignore[arg-type]
     return message

@@ -94,6 +94,38 @@ def test_meaningless_speculation_is_rejected_naming_the_field(
         validate(request(**fields), LIMITS, None)
 
 
+SUFFIX_LIMITS = Limits(64, 256, 100, 16, 5, default_suffix_tokens=12)
+
+
+def test_suffix_tokens_default_to_the_coordinators_and_a_request_may_lower_them() -> None:
+    assert validate(request(), SUFFIX_LIMITS, None).suffix_tokens == 12
+    assert validate(request(suffix_tokens=4), SUFFIX_LIMITS, None).suffix_tokens == 4
+    assert validate(request(suffix_tokens=0), SUFFIX_LIMITS, None).suffix_tokens == 0
+    assert validate(request(), LIMITS, None).suffix_tokens == 0  # off on the coordinator
+
+
+@pytest.mark.parametrize("fields, limits, named", [
+    (dict(suffix_tokens=13), SUFFIX_LIMITS, r"suffix_tokens must be in \[0, 12\]"),
+    (dict(suffix_tokens=-1), SUFFIX_LIMITS, "suffix_tokens must be in"),
+    (dict(suffix_tokens=2), LIMITS, "suffix decoding is off"),
+    (dict(method="suffix", suffix_tokens=0), SUFFIX_LIMITS, "needs suffix_tokens > 0"),
+    (dict(num_draft_tokens=0, suffix_tokens=3), SUFFIX_LIMITS, "speculation.suffix_tokens"),
+])
+def test_bad_suffix_tokens_are_rejected_naming_the_field(
+        fields: dict[str, object], limits: Limits, named: str) -> None:
+    with pytest.raises(InvalidRequest, match=named):
+        validate(request(**fields), limits, None)
+
+
+def test_a_cache_salt_is_bounded() -> None:
+    message = request()
+    message.cache_salt = "s" * 256
+    validate(message, LIMITS, None)
+    message.cache_salt = "s" * 257
+    with pytest.raises(InvalidRequest, match="cache_salt must be at most 256 bytes"):
+        validate(message, LIMITS, None)
+
+
 @pytest.fixture(scope="module")
 def services() -> Iterator[Services]:
     torch.set_num_threads(1)

@@ -115,6 +115,38 @@ def test_tenants_are_api_keys_unless_sharing_is_on(services: Services) -> None:
         object.__setattr__(settings, "suffix_share_tenants", False)
 
 
+def test_a_cache_salt_narrows_the_tenant_also_when_tenants_share(services: Services) -> None:
+    tenant = services.coordinator.tenant
+    alice = Metadata(("authorization", "Bearer alice-key"))
+    salted = {tenant(alice, salt) for salt in ("", "a", "b")}  # type: ignore[arg-type]
+    assert len(salted) == 3
+    assert tenant(alice, "a") == tenant(alice, "a")  # type: ignore[arg-type]
+    assert tenant(Metadata(), "a") != tenant(alice, "a")  # type: ignore[arg-type]
+    settings = services.coordinator.settings
+    try:
+        object.__setattr__(settings, "suffix_share_tenants", True)
+        assert tenant(alice, "a") == tenant(Metadata(), "a") != ""  # type: ignore[arg-type]
+    finally:
+        object.__setattr__(settings, "suffix_share_tenants", False)
+
+
+def test_a_salted_response_speculates_only_for_its_own_salt(services: Services) -> None:
+    """The second identical greedy request finds the first's answer under the same salt;
+    under a new salt the suffix cache holds none of it."""
+    def run(salt: str) -> coordinator_pb2.GenerateResponse:
+        message = coordinator_pb2.GenerateRequest(
+            prompt_token_ids=[5, 9, 2, 7], max_new_tokens=24, cache_salt=salt,
+            speculation=coordinator_pb2.SpeculationParams(method="suffix"))
+        return services.stub.Generate(message, timeout=60)
+
+    first = run("salt-one")
+    again = run("salt-one")
+    fresh = run("salt-two")
+    assert list(first.token_ids) == list(again.token_ids) == list(fresh.token_ids)
+    assert again.stats.suffix_accepted_tokens >= len(first.token_ids) // 2
+    assert fresh.stats.suffix_accepted_tokens < again.stats.suffix_accepted_tokens
+
+
 # -- HTTP: OpenAI-style extra fields ----------------------------------------------------
 def parsed(**body: object) -> coordinator_pb2.GenerateRequest:
     return parse({"prompt": "hi", **body}, chat=False, served_model="m",
@@ -132,6 +164,13 @@ def test_http_fields_left_out_take_the_coordinators_defaults() -> None:
         "num_draft_tokens")
     target_only = parsed(num_draft_tokens=0)
     assert target_only.speculation.HasField("num_draft_tokens")
+
+
+def test_http_cache_salt_reaches_the_request_and_must_be_a_string() -> None:
+    assert parsed(cache_salt="tenant-7").cache_salt == "tenant-7"
+    with pytest.raises(ApiError) as caught:
+        parsed(cache_salt=7)
+    assert caught.value.status == 400 and caught.value.param == "cache_salt"
 
 
 @pytest.mark.parametrize("value", ["fast", 3, ["suffix"]])

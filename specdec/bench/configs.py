@@ -30,9 +30,11 @@ LENGTHS = ("1", "2", "3", "4", "6", "8", "adaptive", "confident", "adaptive+a0")
 # chain for fixed lengths); "adaptive+a0" is adaptive with the chain alone; "+fN" is the
 # same with the alternatives one level deep (each follows a chain token). A
 # "+pN" suffix sets prompt lookup's tokens per round (default: as served,
-# SPECDEC_PROMPT_LOOKUP_TOKENS; "+p0" = off). Suffixes combine: "2+a0+p0".
+# SPECDEC_PROMPT_LOOKUP_TOKENS; "+p0" = off), "+sN" suffix decoding's (gRPC only;
+# default: as served, SPECDEC_SUFFIX_MAX_TOKENS; "+s0" = off). Suffixes combine:
+# "2+a0+p0".
 SUFFIXES = {"a": "alternatives", "f": "alternatives one level deep",
-            "p": "prompt lookup tokens"}
+            "p": "prompt lookup tokens", "s": "suffix decoding tokens"}
 POLICIES = ("adaptive", "heuristic", "confident")
 GATED = ("adaptive", "confident")  # the policies the confidence gate applies to
 
@@ -91,6 +93,11 @@ class BenchConfig:
     def lookup_tokens(self) -> int | None:
         """Prompt lookup's tokens per round a "+pN" suffix sets (None: as served)."""
         return self._suffix("p")
+
+    @property
+    def suffix_tokens(self) -> int | None:
+        """Suffix decoding's tokens per round a "+sN" suffix sets (None: as served)."""
+        return self._suffix("s")
 
     @property
     def fixed_length(self) -> int | None:

@@ -281,7 +281,8 @@ class Bench:
         self.encode_prompt = prompt_encoder(models.tokenizer)
 
     def run_one(self, config: BenchConfig, mode_name: str, prompt_ids: list[int],
-                max_new_tokens: int, seed: int) -> RunRecord:
+                max_new_tokens: int, seed: int, cache_salt: str = "") -> RunRecord:
+        """cache_salt: the coordinator's suffix cache partition (gRPC systems)."""
         mode = MODES[mode_name]
         if config.system in (HF_GENERATE, HF_ASSISTED):
             return baselines.run_hf(config, mode, self.models.target, self.hf_draft,
@@ -289,7 +290,8 @@ class Bench:
         if config.system == GRPC:
             assert self.grpc is not None
             return systems.run_grpc(config, mode, self.grpc.stub, prompt_ids,
-                                    max_new_tokens, seed, max_length=self.settings.max_length)
+                                    max_new_tokens, seed, max_length=self.settings.max_length,
+                                    cache_salt=cache_salt)
         if config.system == LOCAL_TOKEN_DRAFT:
             assert self.token_drafter is not None
             return systems.run_local(config, mode, self.token_drafter, self.verifier,
@@ -307,7 +309,8 @@ class Bench:
             tokens = self.settings.warmup_tokens if config.policy == "adaptive" else 8
             for mode in self.settings.modes:
                 if config in self.mode_configs[mode]:
-                    self.run_one(config, mode, ids, tokens, stable_seed("warmup", mode))
+                    self.run_one(config, mode, ids, tokens, stable_seed("warmup", mode),
+                                 cache_salt="warm-up")
 
     def runs_for(self, prompt: BenchPrompt, prompts: list[BenchPrompt]) -> list[str]:
         """The modes this prompt runs in: sampled ones only for the first N per category."""
@@ -330,8 +333,11 @@ class Bench:
                     seed = stable_seed(prompt.id, repeat, mode)
                     for config in self.mode_configs[mode]:
                         advance(f"{mode} {prompt.id} {config.name}")
+                        # Each pass, mode and configuration fills a suffix cache of its
+                        # own, so no request meets its own prompt's earlier answer: the
+                        # cache proposes only from the pass's other prompts.
                         record = self.run_one(config, mode, ids, self.settings.max_new_tokens,
-                                              seed)
+                                              seed, cache_salt=f"{repeat}/{mode}/{config.name}")
                         record.prompt_id, record.category = prompt.id, prompt.category
                         record.repeat, record.workload = repeat, prompt.workload
                         records.append(record)

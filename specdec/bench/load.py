@@ -53,32 +53,37 @@ class LoadMode:
     adaptive: bool = False
     num_alternatives: int | None = None  # a token tree's alternatives (None: as served)
     max_alternative_depth: int = 0  # 1: alternatives one level deep; 0: no limit
+    suffix_tokens: int | None = None  # suffix decoding's tokens per round (None: as served)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
 
 
 def parse_load_mode(text: str) -> LoadMode:
     """'target-only' (or '0'), 'adaptive', or a fixed length 'k=N' (or 'N'); a speculative
-    mode may end in '+aN': a token tree of up to N alternatives ('+a0': a chain), or in
-    '+fN': N alternatives one level deep (each follows a chain token)."""
+    mode may end in '+aN': a token tree of up to N alternatives ('+a0': a chain), in
+    '+fN': N alternatives one level deep (each follows a chain token), or in '+sN': at
+    most N suffix decoding tokens per round ('+s0': no suffix decoding)."""
     name = text.strip()
     base, plus, suffix = name.partition("+")
-    alternatives = None
+    alternatives = suffix_tokens = None
     depth = 0
     if plus:
-        if not (suffix[:1] in ("a", "f") and suffix[1:].isdigit()):
+        if not (suffix[:1] in ("a", "f", "s") and suffix[1:].isdigit()):
             raise ValueError(f"unknown load mode {name!r}: the suffixes are +aN (a token "
-                             "tree of N alternatives per round) and +fN (N alternatives "
-                             "one level deep)")
-        alternatives = int(suffix[1:])
-        depth = 1 if suffix[0] == "f" else 0
+                             "tree of N alternatives per round), +fN (N alternatives "
+                             "one level deep) and +sN (N suffix decoding tokens)")
+        if suffix[0] == "s":
+            suffix_tokens = int(suffix[1:])
+        else:
+            alternatives = int(suffix[1:])
+            depth = 1 if suffix[0] == "f" else 0
     if base in (TARGET_ONLY, "0", "k=0"):
         if plus:
             raise ValueError(f"load mode {name!r}: target-only takes no alternatives")
         return LoadMode(TARGET_ONLY, 0)
     if base == ADAPTIVE:
         return LoadMode(name, ADAPTIVE_START, adaptive=True, num_alternatives=alternatives,
-                        max_alternative_depth=depth)
+                        max_alternative_depth=depth, suffix_tokens=suffix_tokens)
     digits = base.removeprefix("k=")
     if not digits.isdigit():
         raise ValueError(f"unknown load mode {name!r}: use target-only, adaptive or k=N, "
@@ -86,7 +91,8 @@ def parse_load_mode(text: str) -> LoadMode:
     if not int(digits):
         return LoadMode(TARGET_ONLY, 0)
     return LoadMode(f"k={int(digits)}{plus}{suffix}", int(digits),
-                    num_alternatives=alternatives, max_alternative_depth=depth)
+                    num_alternatives=alternatives, max_alternative_depth=depth,
+                    suffix_tokens=suffix_tokens)
 
 
 @dataclass(frozen=True)
@@ -123,9 +129,10 @@ class LevelRun:
     workload: str = "prompts"
 
 
-def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
-                ) -> coordinator_pb2.GenerateRequest:
+def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int,
+                cache_salt: str = "") -> coordinator_pb2.GenerateRequest:
     request = coordinator_pb2.GenerateRequest(
+        cache_salt=cache_salt,
         max_new_tokens=max_new_tokens,
         speculation=coordinator_pb2.SpeculationParams(
             num_draft_tokens=mode.num_draft_tokens, adaptive=mode.adaptive),
@@ -133,6 +140,8 @@ def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
     if mode.num_alternatives is not None:
         request.speculation.num_alternatives = mode.num_alternatives
     request.speculation.max_alternative_depth = mode.max_alternative_depth
+    if mode.suffix_tokens is not None:
+        request.speculation.suffix_tokens = mode.suffix_tokens
     if mode.temperature > 0:
         # One seed per prompt: every mode and level draws the same prompt's output from
         # the same stream.
@@ -148,14 +157,14 @@ def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int
 
 def stream_one(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
                prompt: LoadPrompt, concurrency: int, max_new_tokens: int,
-               timeout_s: float) -> RequestRecord:
+               timeout_s: float, cache_salt: str = "") -> RequestRecord:
     """One GenerateStream, timed message by message."""
     started = time.perf_counter()
     record = RequestRecord(mode.name, concurrency, prompt.id, "OK", 0.0)
     last: float | None = None
     try:
-        for message in stub.GenerateStream(request_for(mode, prompt, max_new_tokens),
-                                           timeout=timeout_s):
+        for message in stub.GenerateStream(
+                request_for(mode, prompt, max_new_tokens, cache_salt), timeout=timeout_s):
             now = time.perf_counter()
             if message.token_ids:
                 if last is None:
@@ -183,19 +192,23 @@ def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
               on_done: Callable[[RequestRecord], None] = lambda record: None,
               workload: str = "prompts") -> LevelRun:
     """`requests` requests over the prompts in turn, from `concurrency` closed-loop clients."""
-    work: queue.Queue[LoadPrompt] = queue.Queue()
+    # Each pass over the prompts fills a suffix cache of its own (per mode, level and
+    # workload), so no request meets its own prompt's earlier answer.
+    work: queue.Queue[tuple[LoadPrompt, str]] = queue.Queue()
     for index in range(requests):
-        work.put(prompts[index % len(prompts)])
+        work.put((prompts[index % len(prompts)],
+                  f"{mode.name}/{concurrency}/{workload}/{index // len(prompts)}"))
     records: list[RequestRecord] = []
     lock = threading.Lock()
 
     def client() -> None:
         while True:
             try:
-                prompt = work.get_nowait()
+                prompt, cache_salt = work.get_nowait()
             except queue.Empty:
                 return
-            record = stream_one(stub, mode, prompt, concurrency, max_new_tokens, timeout_s)
+            record = stream_one(stub, mode, prompt, concurrency, max_new_tokens, timeout_s,
+                                cache_salt)
             with lock:
                 records.append(record)
             on_done(record)

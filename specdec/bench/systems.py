@@ -94,13 +94,14 @@ def run_local(config: BenchConfig, mode: SamplingMode, drafter: LocalDrafter,
 
 
 def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
-                 max_new_tokens: int, seed: int, max_length: int = 8) -> Any:
+                 max_new_tokens: int, seed: int, max_length: int = 8,
+                 cache_salt: str = "") -> Any:
     from specdec.proto.specdec.v1 import coordinator_pb2
     from specdec.serving import wire
 
     request = coordinator_pb2.GenerateRequest(
         prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
-        sampling=wire.sampling_to_proto(mode.params(seed)))
+        sampling=wire.sampling_to_proto(mode.params(seed)), cache_salt=cache_salt)
     adaptive = config.policy == "adaptive"
     if config.policy == "confident":
         request.speculation.num_draft_tokens = max_length
@@ -114,14 +115,18 @@ def grpc_request(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
     request.speculation.max_alternative_depth = config.alternative_depth
     if config.lookup_tokens is not None:
         request.speculation.prompt_lookup_tokens = config.lookup_tokens
+    if config.suffix_tokens is not None:
+        request.speculation.suffix_tokens = config.suffix_tokens
     return request
 
 
 def run_grpc(config: BenchConfig, mode: SamplingMode, stub: Any, prompt_ids: list[int],
              max_new_tokens: int, seed: int, timeout_s: float = 900.0,
-             max_length: int = 8) -> RunRecord:
-    """One Coordinator.Generate call against the three running services."""
-    request = grpc_request(config, mode, prompt_ids, max_new_tokens, seed, max_length)
+             max_length: int = 8, cache_salt: str = "") -> RunRecord:
+    """One Coordinator.Generate call against the three running services. cache_salt: the
+    suffix cache partition the request proposes from and adds its answer to."""
+    request = grpc_request(config, mode, prompt_ids, max_new_tokens, seed, max_length,
+                           cache_salt)
     started = time.perf_counter()
     response = stub.Generate(request, timeout=timeout_s)
     seconds = time.perf_counter() - started

@@ -57,7 +57,8 @@ PARAM_FOR_FIELD = (
     ("max_new_tokens", "max_tokens"), ("sampling.temperature", "temperature"),
     ("sampling.top_p", "top_p"), ("sampling.top_k", "top_k"), ("sampling.min_p", "min_p"),
     ("speculation.num_draft_tokens", "num_draft_tokens"),
-    ("speculation.method", "speculation_method"), ("messages", "messages"),
+    ("speculation.method", "speculation_method"), ("cache_salt", "cache_salt"),
+    ("messages", "messages"),
     ("prompt_token_ids", "prompt"), ("prompt", "prompt"), ("stop", "stop"),
 )
 # specdec's finish reasons -> OpenAI's ("eos": the model ended its turn).

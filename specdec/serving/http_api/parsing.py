@@ -234,7 +234,7 @@ def _set_sampling(sampling: common_pb2.SamplingParams, body: dict[str, Any]) -> 
 def _set_speculation(request: coordinator_pb2.GenerateRequest, body: dict[str, Any]) -> None:
     """specdec's extensions: num_draft_tokens (0 = target only), adaptive and
     speculation_method (SpeculationParams.method); each one left out takes the
-    coordinator's default."""
+    coordinator's default. cache_salt (vLLM's field) partitions the suffix cache."""
     num_draft_tokens = body.get("num_draft_tokens")
     if num_draft_tokens is not None:
         if not _is_int(num_draft_tokens) or not 0 <= num_draft_tokens < 2**31:
@@ -249,6 +249,11 @@ def _set_speculation(request: coordinator_pb2.GenerateRequest, body: dict[str, A
             raise invalid("speculation_method", f"speculation_method must be one of "
                           f"{', '.join(map(_json, SPECULATION_METHODS))}, got {_json(method)}")
         request.speculation.method = method
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str):
+            raise invalid("cache_salt", f"cache_salt must be a string, got {_json(salt)}")
+        request.cache_salt = salt
 
 
 def _stop(stop: Any) -> list[str]:

@@ -32,6 +32,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """Exactly one of prompt (text, tokenized by the target's tokenizer), prompt_token_ids
     and messages.
@@ -41,6 +42,11 @@ class GenerateRequest(_message.Message):
     max_new_tokens: _builtins.int
     request_id: _builtins.str
     """Echoed in logs and traces; not a cache key."""
+    cache_salt: _builtins.str
+    """Suffix decoding proposes from earlier responses of the same API key and the same
+    cache_salt only (vLLM's name for cache isolation): requests with different salts
+    never see each other's outputs. Empty = the key's shared cache. At most 256 bytes.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -71,10 +77,11 @@ class GenerateRequest(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "speculation", b"speculation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "max_new_tokens", b"max_new_tokens", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculation", b"speculation", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculation", b"speculation", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -123,6 +130,7 @@ class SpeculationParams(_message.Message):
     PROMPT_LOOKUP_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_ALTERNATIVE_DEPTH_FIELD_NUMBER: _builtins.int
     METHOD_FIELD_NUMBER: _builtins.int
+    SUFFIX_TOKENS_FIELD_NUMBER: _builtins.int
     num_draft_tokens: _builtins.int
     """Tokens drafted per round: with `adaptive`, where the length starts (0 = the
     coordinator's default); without, a fixed length, and 0 = target only. Absent = the
@@ -167,6 +175,12 @@ class SpeculationParams(_message.Message):
     Every method keeps the output exact (greedy output and sampled law unchanged).
     Another value is INVALID_ARGUMENT.
     """
+    suffix_tokens: _builtins.int
+    """Most tokens a suffix-decoding round proposes (a token tree of what followed the same
+    text in this request or in earlier responses; output unchanged, every sampling mode).
+    Absent = the coordinator's SPECDEC_SUFFIX_MAX_TOKENS; 0 = off. Target-only requests
+    never use it.
+    """
     def __init__(
         self,
         *,
@@ -177,10 +191,11 @@ class SpeculationParams(_message.Message):
         prompt_lookup_tokens: _builtins.int | None = ...,
         max_alternative_depth: _builtins.int = ...,
         method: _builtins.str = ...,
+        suffix_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_num_draft_tokens", b"_num_draft_tokens", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_num_draft_tokens", b"_num_draft_tokens", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "_suffix_tokens", b"_suffix_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens", "suffix_tokens", b"suffix_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_num_draft_tokens", b"_num_draft_tokens", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "max_alternative_depth", b"max_alternative_depth", "method", b"method", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive", "_draft_confidence", b"_draft_confidence", "_num_alternatives", b"_num_alternatives", "_num_draft_tokens", b"_num_draft_tokens", "_prompt_lookup_tokens", b"_prompt_lookup_tokens", "_suffix_tokens", b"_suffix_tokens", "adaptive", b"adaptive", "draft_confidence", b"draft_confidence", "max_alternative_depth", b"max_alternative_depth", "method", b"method", "num_alternatives", b"num_alternatives", "num_draft_tokens", b"num_draft_tokens", "prompt_lookup_tokens", b"prompt_lookup_tokens", "suffix_tokens", b"suffix_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__adaptive: _TypeAlias = _typing.Literal["adaptive"]  # noqa: Y015
     _WhichOneofArgType__adaptive: _TypeAlias = _typing.Literal["_adaptive", b"_adaptive"]  # noqa: Y015
@@ -192,6 +207,8 @@ class SpeculationParams(_message.Message):
     _WhichOneofArgType__num_draft_tokens: _TypeAlias = _typing.Literal["_num_draft_tokens", b"_num_draft_tokens"]  # noqa: Y015
     _WhichOneofReturnType__prompt_lookup_tokens: _TypeAlias = _typing.Literal["prompt_lookup_tokens"]  # noqa: Y015
     _WhichOneofArgType__prompt_lookup_tokens: _TypeAlias = _typing.Literal["_prompt_lookup_tokens", b"_prompt_lookup_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__suffix_tokens: _TypeAlias = _typing.Literal["suffix_tokens"]  # noqa: Y015
+    _WhichOneofArgType__suffix_tokens: _TypeAlias = _typing.Literal["_suffix_tokens", b"_suffix_tokens"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__adaptive) -> _WhichOneofReturnType__adaptive | None: ...
     @_typing.overload
@@ -202,6 +219,8 @@ class SpeculationParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_draft_tokens) -> _WhichOneofReturnType__num_draft_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_lookup_tokens) -> _WhichOneofReturnType__prompt_lookup_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__suffix_tokens) -> _WhichOneofReturnType__suffix_tokens | None: ...
 
 Global___SpeculationParams: _TypeAlias = SpeculationParams  # noqa: Y015
 
