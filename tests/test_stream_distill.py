@@ -4,8 +4,10 @@ never produced, resume from the checkpoint, and the held-out curve."""
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
+import random
 import time
 from pathlib import Path
 
@@ -13,12 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.bench.prompts import load_prompts
+from specdec.bench.workloads import bench_texts
+from specdec.draft_training import heldout, stream_prompts
 from specdec.draft_training.heldout import CURVE_FILE, PLOT_FILE, held_out_chat
 from specdec.draft_training.producers import (
     DraftWrittenProducer,
     TargetDecodingProducer,
 )
+from specdec.draft_training.prompts import Prompt, generate_prompts, split
 from specdec.draft_training.stream import (
     CHECKPOINT_FILE,
     DraftWeights,
@@ -30,12 +34,27 @@ from specdec.draft_training.stream_prompts import (
     ChatFormat,
     Context,
     ConversationSource,
-    held_out_texts,
     normal,
 )
 from specdec.draft_training.train import make_draft
+from specdec.draft_training.wide_prompts import generate_wide_prompts
 from specdec.engine.runner import ModelRunner
 from tests.tiny_models import save_tiny_pair
+
+
+@functools.cache
+def _small_prompt_sets() -> tuple[tuple[list[Prompt], list[Prompt]], ...]:
+    return (split(generate_prompts(count=600)), split(generate_wide_prompts(count=600)))
+
+
+@pytest.fixture(autouse=True)
+def small_prompt_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt sets' first 600 prompts each, split the same way: the full sets take
+    half a minute to generate (the wide set tries many fills before it stops)."""
+    monkeypatch.setattr(stream_prompts, "split_prompt_sets", _small_prompt_sets)
+    monkeypatch.setattr(heldout, "split_prompt_sets", _small_prompt_sets)
+    monkeypatch.setattr(stream_prompts, "held_out_texts", lambda: frozenset(
+        normal(p.text) for _, held_out in _small_prompt_sets() for p in held_out))
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +66,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     draft = make_draft(str(target), token_map, num_layers=1)
     draft.save_pretrained(root / "draft")
     (root / "draft" / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    (root / "draft" / "README.md").write_text(
+        "# a draft\n\n## Training data\n- stage one\n\n## Evaluation (old)\n| table |\n")
     return target, root / "draft"
 
 
@@ -143,22 +164,25 @@ def test_held_out_and_bench_prompts_never_become_a_user_turn(tiny: tuple[Path, P
     target_dir, _ = tiny
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     chat = ChatFormat(tokenizer)
-    held_out = sorted(held_out_texts())
-    bench = [p.text for p in load_prompts()]
-    forbidden = held_out[:3] + bench[:3]
+    held_out = sorted(stream_prompts.held_out_texts())
+    bench = bench_texts()
+    forbidden = held_out[:3] + bench[:2] + bench[-2:]
     allowed = "How do I fold a paper crane?"
     written = [f"  {t.upper()} " for t in forbidden] + [allowed]
 
+    rng = random.Random(0)
+
     def write_turns(prefixes: list[list[int]], temperature: float, n: int) -> list[list[int]]:
-        return [chat.encode(written[i % len(written)]) + [chat.end_of_turn]
-                for i in range(len(prefixes))]
+        # half the written turns are excluded text, half the allowed one
+        return [chat.encode(rng.choice(written[:-1]) if rng.random() < 0.5 else allowed)
+                + [chat.end_of_turn] for _ in prefixes]
 
     source = ConversationSource(tokenizer, write_turns, excluded=bench, mix=(0.3, 0.5, 0.2))
     excluded = {normal(t) for t in held_out + bench}
     assert all(normal(t) in excluded for t in held_out_chat(8))  # what the curve measures on
     turns: list[str] = []
     kinds: set[str] = set()
-    for _ in range(6):
+    for _ in range(8):
         for context in source.next_batch(8):
             kinds.add(context.kind)
             text = tokenizer.decode(context.prompt_ids)
@@ -188,6 +212,10 @@ def test_a_stream_run_writes_the_curve_and_the_next_run_resumes(
     assert (out / PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / CURVE_FILE).read_text()) == curve
     assert (out / "token_map.json").exists() and (work / CHECKPOINT_FILE).exists()
+    card = (out / "README.md").read_text()
+    assert card.index("- stage one") < card.index("Streaming stage") < card.index(
+        "## Held-out curve") < card.index(f"]({PLOT_FILE})") < card.index(
+        "## Evaluation of the draft before the streaming stage (old)")
     stored = AutoModelForCausalLM.from_pretrained(out)
     assert next(stored.parameters()).dtype == torch.bfloat16
 
@@ -196,3 +224,18 @@ def test_a_stream_run_writes_the_curve_and_the_next_run_resumes(
     assert second["progress"]["tokens"] > first["progress"]["tokens"]
     resumed = json.loads((work / CURVE_FILE).read_text())
     assert resumed[:len(curve)] == curve and len(resumed) > len(curve)
+
+
+def test_a_new_draft_for_a_target_without_one(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    from specdec.draft_training.stream import new_draft
+    from specdec.draft_training.train import load_draft
+
+    target_dir, _ = tiny
+    settings = StreamSettings(produce_batch=3, max_new_tokens=5, top_k=4)
+    made = new_draft(str(target_dir), tmp_path / "new", settings, vocab_size=40, num_layers=1,
+                     batches=2)
+    draft, token_map = load_draft(made)
+    chat = ChatFormat(AutoTokenizer.from_pretrained(target_dir))
+    assert chat.end_of_turn == 2 and {2, *chat.assistant_prefix} <= set(token_map)
+    assert len(token_map) == 40 and draft.config.vocab_size == 41  # the map and an UNK row
+    assert draft.config.num_hidden_layers == 1

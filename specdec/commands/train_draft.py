@@ -61,8 +61,11 @@ def add_stream_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(group, "--producer", defaults.producer, "what writes the text the target "
                 "labels", choices=PRODUCERS)
     add_setting(group, "--stream-lr", defaults.lr, "peak learning rate", type=float)
+    add_setting(group, "--stream-target", models.DEFAULT_TARGET,
+                "the target to distil from (an embedded name, a directory or a hub id)")
     add_setting(group, "--stream-from", str(ASSET_DIR),
-                "the draft a new run starts from (a folder with token_map.json)")
+                "the draft a new run starts from (a folder with token_map.json), or 'new': "
+                "one made from the target (--draft-layers, --draft-vocab) in --work-dir")
     add_setting(group, "--stream-out", "",
                 "where the streamed draft is written (default: --work-dir/stream/draft)")
     group.add_argument("--measure-producers", action="store_true",
@@ -106,9 +109,9 @@ def generate_data(args: argparse.Namespace, target_dir: str, work_dir: Path) -> 
 
 def run(args: argparse.Namespace) -> int:
     work_dir, out_dir = Path(args.work_dir), Path(args.out_dir)
-    target_dir = str(models.prepare_smollm2())
     if args.stream or args.measure_producers:
-        return run_stream(args, target_dir, work_dir / "stream")
+        return run_stream(args, str(models.resolve(args.stream_target)), work_dir / "stream")
+    target_dir = str(models.prepare_smollm2())
     if "data" in args.stages:
         generate_data(args, target_dir, work_dir)
     if "train" in args.stages:
@@ -150,19 +153,21 @@ def evaluate_draft(target_dir: str, draft_dir: Path, num_prompts: int) -> dict:
 def run_stream(args: argparse.Namespace, target_dir: str, work_dir: Path) -> int:
     from dataclasses import replace
 
-    from specdec.bench.prompts import load_prompts
-    from specdec.draft_training.stream import measure, stream_distill
+    from specdec.bench.workloads import bench_texts
+    from specdec.draft_training.stream import measure, new_draft, stream_distill
     from specdec.draft_training.stream_settings import StreamSettings
 
     settings = replace(StreamSettings(), time_budget_s=args.time_budget_min * 60,
                        producer=args.producer, lr=args.stream_lr)
-    bench = [prompt.text for prompt in load_prompts()]  # never a training turn
+    bench = bench_texts()  # every bench workload's messages: never a training turn
+    start = (new_draft(target_dir, work_dir / "initial-draft", settings,
+                       vocab_size=args.draft_vocab, num_layers=args.draft_layers)
+             if args.stream_from == "new" else Path(args.stream_from))
     if args.measure_producers:
-        print(json.dumps(measure(target_dir, Path(args.stream_from), settings, bench), indent=2))
+        print(json.dumps(measure(target_dir, start, settings, bench), indent=2))
         return 0
     out_dir = Path(args.stream_out) if args.stream_out else work_dir / "draft"
-    summary = stream_distill(target_dir, Path(args.stream_from), work_dir, out_dir, settings,
-                             excluded=bench)
+    summary = stream_distill(target_dir, start, work_dir, out_dir, settings, excluded=bench)
     print(json.dumps({k: v for k, v in summary.items() if k != "curve"}, indent=2))
     print(f"draft, curve and plot: {out_dir}")
     return 0

@@ -216,3 +216,64 @@ def _shards_text(shards: dict[str, int | None]) -> str:
              for name, (prefix, generate) in PROMPT_SETS.items()}
     return ", ".join(f"{names.get(prefix, prefix)}" + (f", {count} shards" if count else "")
                      for prefix, count in shards.items())
+
+
+def write_stream_card(out_dir: Path, init_card: Path, summary: dict) -> None:
+    """The card of a draft continued by streaming self-distillation: the starting draft's
+    card with this stage added to its training data, its held-out curve (the plot next
+    to the card) and its evaluation table marked as the starting draft's."""
+    from specdec.draft_training.heldout import PLOT_FILE
+
+    lines = init_card.read_text().splitlines()
+    progress, settings, curve = summary["progress"], summary["settings"], summary["curve"]
+    first, last = curve[0], curve[-1]
+    kinds = summary.get("produced_by_kind", {})
+    total = max(1, sum(kinds.values()))
+    mix = ", ".join(f"{kind} {count / total:.0%}" for kind, count in sorted(kinds.items()))
+    temperatures = ", ".join(f"{t:g}" for t in settings["temperatures"])
+    stage = [
+        "",
+        "Streaming stage (`specdec train-draft --stream`), continuing the draft above:",
+        "",
+        f"- {progress['tokens']:,} target-labelled tokens in {progress['records']:,} "
+        f"contexts, written by the {settings['producer']} producer and labelled by "
+        f"{summary.get('target', 'the target')} (bfloat16) with its top-"
+        f"{settings['top_k']} distribution; contexts: {mix} (labelled tokens); "
+        f"temperatures {temperatures} in turn.",
+        f"- {progress['step']:,} optimiser steps of {settings['train_batch']} contexts (peak "
+        f"learning rate {settings['lr']:g}, each context used at most {settings['passes']} "
+        f"times), {progress['elapsed_s'] / 60:.1f} min on 2 shared CPU cores "
+        f"({summary['tokens_per_s_this_run']:.0f} labelled tokens/s in the last run).",
+    ]
+    curve_lines = [
+        "## Held-out curve (streaming stage)",
+        f"Teacher-forced on the target's greedy answers to {settings['held_out_prompts']} "
+        f"held-out chat prompts ({last['positions']} positions): top-1 agreement "
+        f"{first['top1_agreement']:.3f} -> {last['top1_agreement']:.3f}, expected T=1 "
+        f"acceptance sum min(p, q) {first['expected_acceptance']:.3f} -> "
+        f"{last['expected_acceptance']:.3f} over {last['tokens']:,} labelled tokens "
+        "(`stream_curve.json` beside this card).",
+        "",
+        f"![held-out acceptance against training tokens]({PLOT_FILE})",
+        "",
+    ]
+    out: list[str] = []
+    for index, line in enumerate(lines):
+        if line.startswith("## ") and _in_section(lines, index - 1, "## Training data"):
+            while out and not out[-1].strip():
+                out.pop()
+            out += stage + [""]
+        if line.startswith("## Evaluation"):
+            out += curve_lines
+            line = line.replace("## Evaluation",
+                                "## Evaluation of the draft before the streaming stage")
+        out.append(line)
+    (out_dir / "README.md").write_text("\n".join(out) + "\n")
+
+
+def _in_section(lines: list[str], index: int, heading: str) -> bool:
+    """Whether lines[index] lies under the heading (before the next "## ")."""
+    for line in reversed(lines[: index + 1]):
+        if line.startswith("## "):
+            return line == heading
+    return False

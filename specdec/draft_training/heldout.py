@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedModel
 
-from specdec.draft_training.datagen import PROMPT_SETS, interleave_by_category
+from specdec.draft_training.datagen import interleave_by_category
 from specdec.draft_training.producers import generate
-from specdec.draft_training.prompts import split
-from specdec.draft_training.stream_prompts import ChatFormat
+from specdec.draft_training.stream_prompts import ChatFormat, split_prompt_sets
 
 CURVE_FILE = "stream_curve.json"
 PLOT_FILE = "heldout_curve.png"
@@ -34,7 +33,7 @@ PLOT_FILE = "heldout_curve.png"
 
 def held_out_chat(count: int) -> list[str]:
     """The first `count` held-out prompts, the prompt sets and their categories in turn."""
-    per_set = [interleave_by_category(split(make())[1]) for _, make in PROMPT_SETS.values()]
+    per_set = [interleave_by_category(held_out) for _, held_out in split_prompt_sets()]
     mixed = [p.text for group in zip(*per_set, strict=False) for p in group]
     return mixed[:count]
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
+from specdec.draft_training.card import write_stream_card
 from specdec.draft_training.heldout import (
     CURVE_FILE,
     PLOT_FILE,
@@ -47,9 +48,15 @@ from specdec.draft_training.producers import (
     TargetWriter,
     measure_producers,
 )
-from specdec.draft_training.stream_prompts import ConversationSource
+from specdec.draft_training.stream_prompts import ChatFormat, ConversationSource
 from specdec.draft_training.stream_settings import PRODUCERS, StreamSettings
-from specdec.draft_training.train import Record, _loss, load_draft
+from specdec.draft_training.train import (
+    Record,
+    _loss,
+    build_token_map,
+    load_draft,
+    make_draft,
+)
 
 CHECKPOINT_FILE = "stream_checkpoint.pt"
 HELD_OUT_FILE = "held_out_chat.pt"
@@ -177,7 +184,7 @@ def measure(target_dir: str, draft_dir: Path, settings: StreamSettings,
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
     _, token_map = load_draft(draft_dir)
-    end = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
+    end = ChatFormat(tokenizer).end_of_turn
     source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded,
                                 seed=settings.seed, mix=(1.0, 0.0, 0.0))
     producers = [make_producer(name, target_dir, target, draft_dir, token_map, end, settings)
@@ -186,6 +193,33 @@ def measure(target_dir: str, draft_dir: Path, settings: StreamSettings,
                                settings.temperatures)
     return {"threads": torch.get_num_threads(), "contexts_per_batch": settings.produce_batch,
             "max_new_tokens": settings.max_new_tokens, "producers": report}
+
+
+def new_draft(target_dir: str, out_dir: Path, settings: StreamSettings, *, vocab_size: int,
+              num_layers: int, batches: int = 6) -> Path:
+    """A draft for a target that has none yet, in out_dir (kept: a later run reuses it):
+    the target's embeddings and first layers (train.make_draft) over the ids that carry
+    the most of the target's probability mass in a few batches of its own answers
+    (train.build_token_map). Llama-family targets."""
+    if (out_dir / "token_map.json").exists():
+        return out_dir
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    chat = ChatFormat(tokenizer)
+    source = ConversationSource(tokenizer, TargetWriter(target, chat.end_of_turn),
+                                seed=settings.seed)
+    producer = TargetDecodingProducer(target, chat.end_of_turn, top_k=settings.top_k,
+                                      max_new_tokens=settings.max_new_tokens)
+    records = [record for index in range(batches)
+               for record in producer.produce(
+                   source.next_batch(settings.produce_batch),
+                   settings.temperatures[index % len(settings.temperatures)])]
+    always = sorted({chat.end_of_turn, *chat.user_prefix, *chat.assistant_prefix})
+    token_map = build_token_map(records, vocab_size, always)
+    draft = make_draft(target_dir, token_map, num_layers)
+    draft.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    return out_dir
 
 
 def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: Path,
@@ -214,7 +248,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     held_out = load_or_build_held_out(work_dir / HELD_OUT_FILE, target, tokenizer, token_map,
                                       settings.held_out_prompts, settings.held_out_tokens)
     curve = read_curve(curve_path) if checkpoint.exists() else []
-    end = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
+    end = ChatFormat(tokenizer).end_of_turn
     if not curve:
         _record_point(curve, curve_path, draft, held_out, progress, float("nan"))
     source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded or (),
@@ -284,9 +318,11 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
                "tokens_per_s_this_run": round(run_tokens / max(elapsed, 1e-9), 1),
                "produced_by_kind": dict(producer.produced),
                "dropped_written_turns": source.dropped_turns,
-               "init_draft": str(init_draft), "curve": curve}
+               "init_draft": str(init_draft), "target": Path(target_dir).name, "curve": curve}
     (work_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     _write_draft(draft, token_map, out_dir, curve)
+    if (init_draft / "README.md").exists():  # the starting draft's card, this stage added
+        write_stream_card(out_dir, init_draft / "README.md", summary)
     return summary
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from specdec.draft_training.datagen import PROMPT_SETS, interleave_by_category
-from specdec.draft_training.prompts import split
+from specdec.draft_training.prompts import Prompt, split
 
 # (prefixes, temperature, max_new_tokens) -> sampled continuations, each cut after the
 # end-of-turn token when it came (so a turn without it was cut short).
@@ -36,15 +36,21 @@ def normal(text: str) -> str:
 
 
 @functools.cache
+def split_prompt_sets() -> tuple[tuple[list[Prompt], list[Prompt]], ...]:
+    """(training, held-out) prompts of each of the project's prompt sets, made once per
+    process (the wide set tries many fills before it stops finding new ones)."""
+    return tuple(split(make()) for _, make in PROMPT_SETS.values())
+
+
+@functools.cache
 def held_out_texts() -> frozenset[str]:
     """Every held-out prompt of the project's prompt sets, normalised."""
-    return frozenset({normal(p.text) for _, make in PROMPT_SETS.values() for p in split(make())[1]})
+    return frozenset(normal(p.text) for _, held_out in split_prompt_sets() for p in held_out)
 
 
 def training_prompts(seed: int) -> list[str]:
     """Both prompt sets' training split, categories interleaved, shuffled by seed."""
-    prompts = [p for _, make in PROMPT_SETS.values()
-               for p in interleave_by_category(split(make())[0])]
+    prompts = [p for train, _ in split_prompt_sets() for p in interleave_by_category(train)]
     random.Random(seed).shuffle(prompts)
     return [p.text for p in prompts]
 
@@ -68,14 +74,13 @@ class ChatFormat:
         assistant_prefix, rest = rest.split(answer)
         between, _ = rest.split(following)
         self.tokenizer = tokenizer
-        self.end_of_turn = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
         self.user_prefix = self.encode(user_prefix)  # system turn + the user-turn opening
         self.assistant_prefix = self.encode(assistant_prefix)  # closes the user turn
         between_ids = self.encode(between)
-        # A finished answer ends with the end-of-turn token, which `between` starts with.
-        if between_ids[:1] == [self.end_of_turn]:
-            between_ids = between_ids[1:]
-        self.next_user = between_ids
+        # What follows an answer starts with the token that ends a turn (<|im_end|> in
+        # ChatML); a finished answer ends with it, so the next user turn opens after it.
+        self.end_of_turn = between_ids[0]
+        self.next_user = between_ids[1:]
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
