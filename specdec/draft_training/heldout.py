@@ -133,7 +133,7 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     axes.set_ylabel("held-out, per token")
     axes.set_title(title)
     axes.grid(alpha=0.3)
-    axes.legend(loc="lower right")
+    axes.legend(loc="best")
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
