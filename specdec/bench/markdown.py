@@ -53,6 +53,9 @@ def config_table(mode: dict[str, Any]) -> list[str]:
             f"{_f(s.get('mean_accepted_length'))} | {_f(s.get('mean_draft_length'))} | "
             f"{_f(s.get('alpha'))} | {_f(s.get('bound'), '{:.2f}x')} | "
             f"{_f(s.get('bound_ratio'))} | {_f(s.get('greedy_match'), '{:.0%}')} |")
+    lines += ["", "greedy match: output equal to target-only's, token for token, through the "
+              "same processes for specdec-grpc (to `specdec-grpc k=0`), else to `target-only` "
+              "in this process, whose thread count may break a near-tie otherwise."]
     return lines
 
 
