@@ -10,7 +10,7 @@ from exact_law import chi_square_pvalue
 from specdec.core.history import TokenHistory
 from specdec.core.sampling import SamplingParams
 from specdec.core.stats import SUFFIX
-from specdec.core.suffix_cache import NODE_BYTES, SuffixCache, SuffixTree, speculate
+from specdec.core.suffix_cache import NODE_BYTES, ROOT, SuffixCache, SuffixTree, speculate
 from specdec.core.suffix_proposer import (
     SuffixEvidence,
     SuffixProposer,
@@ -21,11 +21,12 @@ from specdec.core.tree_acceptance import verify_tree
 
 
 def walk(tree: SuffixTree, path: list[int]) -> int:
-    node = tree.root
+    node = ROOT
     for token in path:
-        assert node.children is not None and token in node.children, path
-        node = node.children[token]
-    return node.count
+        child = tree.child(node, token)
+        assert child is not None, path
+        node = child
+    return tree.count(node)
 
 
 def test_a_tree_counts_every_short_substring() -> None:
@@ -54,7 +55,22 @@ def test_incremental_appends_equal_one_add_and_remove_undoes_it() -> None:
     whole.remove(tokens)
     assert whole.nodes == 5 and walk(whole, [9, 9, 1]) == 1 and walk(whole, [9]) == 2
     whole.remove([9, 9, 1])
-    assert whole.nodes == 0 and whole.root.children is None
+    assert whole.nodes == 0 and list(whole.children(ROOT)) == []
+    whole.add(tokens)  # freed ids are reused
+    assert whole.nodes == grown.nodes and walk(whole, [5, 1, 5]) == 2
+
+
+def test_the_tree_is_invisible_to_the_garbage_collector() -> None:
+    """No Python object per node: a full collection never walks a cached tree."""
+    import gc
+
+    tree = SuffixTree(8)
+    tree.add([1, 2])
+    before = len(gc.get_objects())
+    tree.add(list(range(300)) * 2)
+    assert tree.nodes > 1000
+    assert not gc.is_tracked(tree._edges)
+    assert len(gc.get_objects()) - before < 50
 
 
 def test_speculation_follows_frequencies_best_first() -> None:

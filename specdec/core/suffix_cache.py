@@ -23,8 +23,9 @@ import heapq
 import math
 import sys
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from specdec.settings import default
@@ -36,30 +37,18 @@ DEFAULT_MIN_TOKEN_PROB: float = default("suffix-min-token-prob")
 DEFAULT_CACHE_MB: int = default("suffix-cache-mb")
 
 
-class SuffixNode:
-    """A trie node: how often the path to it occurred, and its continuations (None until
-    it has one: most nodes are leaves)."""
-
-    __slots__ = ("count", "children")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, SuffixNode] | None = None
-
-    def child(self, token: int) -> SuffixNode:
-        """The child for token, created (with count 0) when missing."""
-        if self.children is None:
-            self.children = {}
-        node = self.children.get(token)
-        if node is None:
-            node = self.children[token] = SuffixNode()
-        return node
+# A node is an int: an index into a tree's flat arrays. The edge from node n by token t is
+# the dict key n * _STRIDE + t (token ids are below 2**32), so a tree holds no Python
+# object per node: the garbage collector, which visits every tracked container on each
+# full collection, never walks it (a dict of ints and arrays of ints are not tracked).
+_STRIDE = 1 << 32
+ROOT = 0
 
 
 def _node_bytes() -> int:
-    """Memory of one node as CPython lays it out: the object, its share of a children
-    dict (one entry in its parent's) and the int key."""
-    return sys.getsizeof(SuffixNode()) + sys.getsizeof({0: None}) // 2 + sys.getsizeof(1 << 20)
+    """Memory of one node as CPython lays it out: four 8-byte array slots, its edge's dict
+    entry (hash, key and value slots at about two-thirds load) and the key and value ints."""
+    return 4 * 8 + (3 * 8 * 3) // 2 + 8 + sys.getsizeof(1 << 40) + sys.getsizeof(1 << 20)
 
 
 NODE_BYTES = _node_bytes()
@@ -96,98 +85,143 @@ class SuffixDraft:
 
 
 class SuffixTree:
-    """Every substring of at most max_depth tokens of the indexed sequences, counted."""
+    """Every substring of at most max_depth tokens of the indexed sequences, counted.
+
+    Node ids index flat arrays (count, token, first child, next sibling); ROOT is 0 and
+    freed ids are reused."""
 
     def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
         if max_depth < 2:
             raise ValueError(f"a suffix tree needs max_depth >= 2, got {max_depth}")
         self.max_depth = max_depth
-        self.root = SuffixNode()
+        self._count = array("q", [0])
+        self._token = array("q", [-1])
+        self._first = array("q", [-1])
+        self._next = array("q", [-1])
+        self._edges: dict[int, int] = {}
+        self._free = array("q")
         self.nodes = 0
 
     @property
     def bytes(self) -> int:
         return self.nodes * NODE_BYTES
 
-    def append(self, open_paths: list[SuffixNode], token: int) -> list[SuffixNode]:
+    def count(self, node: int) -> int:
+        return self._count[node]
+
+    def child(self, node: int, token: int) -> int | None:
+        return self._edges.get(node * _STRIDE + token)
+
+    def children(self, node: int) -> Iterator[tuple[int, int]]:
+        """(token, child) of each child of node, the most recently added first."""
+        child = self._first[node]
+        while child >= 0:
+            yield self._token[child], child
+            child = self._next[child]
+
+    def _new_child(self, node: int, token: int) -> int:
+        if self._free:
+            child = self._free.pop()
+            self._count[child], self._token[child] = 0, token
+            self._first[child], self._next[child] = -1, self._first[node]
+        else:
+            child = len(self._count)
+            self._count.append(0)
+            self._token.append(token)
+            self._first.append(-1)
+            self._next.append(self._first[node])
+        self._first[node] = child
+        self._edges[node * _STRIDE + token] = child
+        self.nodes += 1
+        return child
+
+    def append(self, open_paths: list[int], token: int) -> list[int]:
         """Count the substrings that end at a new token. open_paths: the nodes of the
         substrings ending at the previous token, shortest first (those still shorter than
         max_depth); returns the same for the new token. Start a sequence with []."""
-        extended: list[SuffixNode] = []
-        for node in [self.root, *open_paths[: self.max_depth - 1]]:
-            child = node.child(token)
-            if child.count == 0:
-                self.nodes += 1
-            child.count += 1
+        extended: list[int] = []
+        for node in [ROOT, *open_paths[: self.max_depth - 1]]:
+            child = self._edges.get(node * _STRIDE + token)
+            if child is None:
+                child = self._new_child(node, token)
+            self._count[child] += 1
             extended.append(child)
         return extended
 
     def add(self, tokens: Sequence[int]) -> None:
-        open_paths: list[SuffixNode] = []
+        open_paths: list[int] = []
         for token in tokens:
             open_paths = self.append(open_paths, token)
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo add(tokens): uncount its substrings and drop the nodes left at zero."""
         for start in range(len(tokens)):
-            node = self.root
+            node = ROOT
             for token in tokens[start:start + self.max_depth]:
-                assert node.children is not None, "removing a sequence that was not added"
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:
+                child = self._edges.get(node * _STRIDE + token)
+                assert child is not None, "removing a sequence that was not added"
+                self._count[child] -= 1
+                if self._count[child] == 0:
                     # Its subtree counted only substrings of this occurrence: all zero now
                     # or about to be, so it goes whole.
-                    self.nodes -= _size(child)
-                    del node.children[token]
-                    if not node.children:
-                        node.children = None
+                    self._unlink(node, child)
+                    self._free_subtree(child)
                     break
                 node = child
 
-    def match(self, context: Sequence[int]) -> list[SuffixNode]:
+    def _unlink(self, node: int, child: int) -> None:
+        del self._edges[node * _STRIDE + self._token[child]]
+        if self._first[node] == child:
+            self._first[node] = self._next[child]
+            return
+        sibling = self._first[node]
+        while self._next[sibling] != child:
+            sibling = self._next[sibling]
+        self._next[sibling] = self._next[child]
+
+    def _free_subtree(self, top: int) -> None:
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            for token, child in self.children(node):
+                del self._edges[node * _STRIDE + token]
+                stack.append(child)
+            self._free.append(node)
+            self.nodes -= 1
+
+    def match(self, context: Sequence[int]) -> list[int]:
         """The nodes of the context's tail suffixes that occur, shortest first: entry
         i - 1 is the node of the last i tokens (a tree is closed under suffixes, so they
         form a prefix of the lengths)."""
-        matched: list[SuffixNode] = []
+        matched: list[int] = []
         tail = list(context[-(self.max_depth - 1):])
         for length in range(1, len(tail) + 1):
-            node: SuffixNode | None = self.root
+            node = ROOT
             for token in tail[-length:]:
-                children = node.children if node is not None else None
-                node = children.get(token) if children else None
-                if node is None:
+                found = self._edges.get(node * _STRIDE + token)
+                if found is None:
                     return matched
-            assert node is not None
+                node = found
             matched.append(node)
         return matched
 
 
-def _size(node: SuffixNode) -> int:
-    stack, count = [node], 0
-    while stack:
-        top = stack.pop()
-        count += 1
-        if top.children:
-            stack.extend(top.children.values())
-    return count
-
-
-def grow(node: SuffixNode, match_length: int, room: int, max_tokens: int,
+def grow(tree: SuffixTree, node: int, match_length: int, room: int, max_tokens: int,
          min_token_prob: float) -> SuffixDraft:
     """The best-first token tree below node: at most max_tokens nodes of path probability
     >= min_token_prob, none deeper than room."""
-    heap: list[tuple[float, int, int, int, SuffixNode]] = []  # (-prob, order, parent, token, node)
+    heap: list[tuple[float, int, int, int, int]] = []  # (-prob, order, parent, token, node)
     order = 0
 
-    def push_children(parent_node: SuffixNode, parent: int, prob: float) -> None:
+    def push_children(parent_node: int, parent: int, prob: float) -> None:
         nonlocal order
-        children = parent_node.children
+        # Oldest first, so that among equally frequent continuations the first seen wins.
+        children = list(tree.children(parent_node))[::-1]
         if not children:
             return
-        total = sum(child.count for child in children.values())
-        for token, child in children.items():
-            child_prob = prob * child.count / total
+        total = sum(tree.count(child) for _, child in children)
+        for token, child in children:
+            child_prob = prob * tree.count(child) / total
             if child_prob >= min_token_prob:
                 heapq.heappush(heap, (-child_prob, order, parent, token, child))
                 order += 1
@@ -228,7 +262,7 @@ def speculate(tree: SuffixTree, context: Sequence[int], max_tokens: int, depth_l
         room = min(depth_limit, tree.max_depth - length)
         if room <= 0:
             continue
-        draft = grow(matched[length - 1], length, room, budget, min_token_prob)
+        draft = grow(tree, matched[length - 1], length, room, budget, min_token_prob)
         if draft.tokens and (best is None or draft.score > best.score):
             best = draft
     return best

@@ -31,7 +31,6 @@ from specdec.core.suffix_cache import (
     DEFAULT_MIN_TOKEN_PROB,
     SuffixCache,
     SuffixDraft,
-    SuffixNode,
     SuffixTree,
     speculate,
 )
@@ -151,7 +150,7 @@ class SuffixProposer:
     min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
     tree: SuffixTree = field(init=False)
     _indexed: list[int] = field(init=False, default_factory=list)
-    _open_paths: list[SuffixNode] = field(init=False, default_factory=list)
+    _open_paths: list[int] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
