@@ -164,9 +164,10 @@ _ALL = (
     Setting("prompt-lookup-max", 4, "longest n-gram prompt lookup matches (tried first)",
             SPECULATION, type=int),
     # Suffix decoding (specdec.core.suffix_cache): vLLM's suffix_decoding_* knobs.
-    Setting("suffix-max-tokens", 16,
+    Setting("suffix-max-tokens", 0,
             "coordinator: most tokens (token-tree nodes) a suffix-decoding round proposes "
-            "from text already seen, this request's and earlier responses' (0 = off)",
+            "from text already seen, this request's and earlier responses' (0 = off; 16 "
+            "is the measured setting)",
             SPECULATION, type=int),
     Setting("suffix-max-tree-depth", 24,
             "coordinator: longest substring the suffix trees hold: matched text plus "

@@ -24,7 +24,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6] * 2
 def services() -> Iterator[Services]:
     torch.set_num_threads(1)
     stack = Services(tiny_llama(VOCAB, seed=4, layers=1), tiny_llama(VOCAB, seed=25),
-                     settings=CoordinatorSettings(num_draft_tokens=3))
+                     settings=CoordinatorSettings(num_draft_tokens=3, suffix_max_tokens=16))
     yield stack
     stack.close()
 

@@ -37,8 +37,6 @@ from specdec.core.suffix_cache import (
 from specdec.core.tree_acceptance import Alternatives
 from specdec.settings import default
 
-DEFAULT_SUFFIX_TOKENS: int = default("suffix-max-tokens")
-
 
 def draft_to_proposal(draft: SuffixDraft, vocab_size: int, params: SamplingParams,
                       elapsed_s: float = 0.0) -> Proposal:
@@ -142,7 +140,7 @@ class SuffixProposer:
     tenant's part of the global cache (None: this request's text only)."""
 
     vocab_size: int
-    max_tokens: int = DEFAULT_SUFFIX_TOKENS
+    max_tokens: int  # most nodes a draft has (the coordinator's SPECDEC_SUFFIX_MAX_TOKENS)
     cache: SuffixCache | None = None
     tenant: str = ""
     max_depth: int = default("suffix-max-tree-depth")
