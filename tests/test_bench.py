@@ -115,16 +115,22 @@ def test_draft_precision_flags_reach_the_settings_and_the_cost_label(
     assert cost_label(own, tiny_pair) == "bfloat16@onednn@rowwise, draft float32/torch"
 
 
-@pytest.fixture()
-def tiny_pair(tmp_path: Path) -> BenchModels:
+def tiny_bench_models(tmp_path: Path) -> BenchModels:
+    """A tiny target and a reduced-vocabulary draft (31 ids + UNK), saved for the gRPC
+    system, as the bench's models."""
     torch.manual_seed(0)
     target = tiny_llama(64, seed=1)
-    token_map = torch.arange(0, 64, 2)[:31]  # a reduced-vocabulary draft: 31 ids + UNK
+    token_map = torch.arange(0, 64, 2)[:31]
     draft = tiny_llama(32, seed=2, layers=1)
     draft.save_pretrained(tmp_path / "draft")
     (tmp_path / "draft" / "token_map.json").write_text(
         json.dumps({"target_ids": token_map.tolist()}))
     return BenchModels(target, draft, token_map, None, (), str(tmp_path / "draft"))
+
+
+@pytest.fixture()
+def tiny_pair(tmp_path: Path) -> BenchModels:
+    return tiny_bench_models(tmp_path)
 
 
 def test_cost_calibration_measures_every_length_and_frees_its_sessions(

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from service_harness import Services
+from test_bench import tiny_bench_models
 from tiny_models import tiny_llama
 
 from specdec import settings
@@ -145,14 +146,7 @@ def test_the_workload_flag_reaches_the_settings(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.fixture()
 def tiny_pair(tmp_path: Path) -> BenchModels:
-    torch.manual_seed(0)
-    target = tiny_llama(64, seed=1)
-    token_map = torch.arange(0, 64, 2)[:31]  # a reduced-vocabulary draft: 31 ids + UNK
-    draft = tiny_llama(32, seed=2, layers=1)
-    draft.save_pretrained(tmp_path / "draft")
-    (tmp_path / "draft" / "token_map.json").write_text(
-        json.dumps({"target_ids": token_map.tolist()}))
-    return BenchModels(target, draft, token_map, None, (), str(tmp_path / "draft"))
+    return tiny_bench_models(tmp_path)
 
 
 def test_tiny_run_of_both_workloads_reports_ratios_per_workload(

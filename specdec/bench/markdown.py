@@ -59,6 +59,14 @@ def config_table(mode: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rate_cell(stats: dict[str, Any], system: str) -> str:
+    """A group's tokens/s, and its speedup over target-only for the other systems."""
+    cell = f"{_f(stats.get('tokens_per_s'), '{:.2f}')} tok/s"
+    if stats.get("speedup") is not None and system != TARGET_ONLY:
+        cell += f", {stats['speedup']:.2f}x"
+    return cell
+
+
 def category_table(mode: dict[str, Any]) -> list[str]:
     categories = [c for c in next(iter(mode.values())) if is_category(c)]
     lines = ["| configuration | " + " | ".join(categories) + " |",
@@ -67,9 +75,7 @@ def category_table(mode: dict[str, Any]) -> list[str]:
         cells = []
         for category in categories:
             s = entry.get(category, {})
-            cell = f"{_f(s.get('tokens_per_s'), '{:.2f}')} tok/s"
-            if s.get("speedup") is not None and entry["system"] != TARGET_ONLY:
-                cell += f", {s['speedup']:.2f}x"
+            cell = _rate_cell(s, entry["system"])
             if s.get("alpha") is not None:
                 cell += f", a={s['alpha']:.2f}"
             cells.append(cell)
@@ -89,9 +95,7 @@ def workload_table(mode: dict[str, Any]) -> list[str]:
         cells = []
         for workload in workloads:
             s = entry.get(workload, {})
-            cell = f"{_f(s.get('tokens_per_s'), '{:.2f}')} tok/s"
-            if s.get("speedup") is not None and entry["system"] != TARGET_ONLY:
-                cell += f", {s['speedup']:.2f}x"
+            cell = _rate_cell(s, entry["system"])
             if s.get("speedup_same_shape") is not None:
                 cell += f", {s['speedup_same_shape']:.2f}x same shape"
             cells.append(cell)
