@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specdec.config import add_setting
 from specdec.engine import models
+from specdec.settings import SETTINGS, default
 
 STAGES = ("data", "train", "eval", "card")
 ASSET_DIR = models.DRAFT_DIR
@@ -68,6 +69,16 @@ def add_stream_settings(parser: argparse.ArgumentParser) -> None:
                 "one made from the target (--draft-layers, --draft-vocab) in --work-dir")
     add_setting(group, "--stream-out", "",
                 "where the streamed draft is written (default: --work-dir/stream/draft)")
+    add_setting(group, "--device", default("device"), SETTINGS["device"].help)
+    add_setting(group, "--stream-produce-batch", defaults.produce_batch,
+                "contexts per producer call (hundreds on a GPU)", type=int)
+    add_setting(group, "--stream-train-batch", defaults.train_batch,
+                "records per optimiser step", type=int)
+    add_setting(group, "--stream-passes", defaults.passes,
+                "times the trainer may use one record", type=int)
+    add_setting(group, "--stream-checkpoint-every-s", defaults.checkpoint_every_s,
+                "seconds between checkpoints (each adds a point to the held-out curve)",
+                type=float)
     group.add_argument("--measure-producers", action="store_true",
                        help="print each producer's labelled tokens/s and exit")
 
@@ -158,7 +169,10 @@ def run_stream(args: argparse.Namespace, target_dir: str, work_dir: Path) -> int
     from specdec.draft_training.stream_settings import StreamSettings
 
     settings = replace(StreamSettings(), time_budget_s=args.time_budget_min * 60,
-                       producer=args.producer, lr=args.stream_lr)
+                       producer=args.producer, lr=args.stream_lr, device=args.device,
+                       produce_batch=args.stream_produce_batch,
+                       train_batch=args.stream_train_batch, passes=args.stream_passes,
+                       checkpoint_every_s=args.stream_checkpoint_every_s)
     bench = bench_texts()  # every bench workload's messages: never a training turn
     start = (new_draft(target_dir, work_dir / "initial-draft", settings,
                        vocab_size=args.draft_vocab, num_layers=args.draft_layers)

@@ -53,12 +53,14 @@ def build_held_out(target: PreTrainedModel, tokenizer, token_map: list[int], cou
     answers, _ = generate(target, prompts, 0.0, max_new_tokens, chat.end_of_turn,
                           pad=chat.end_of_turn)
     sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
-    mapped = torch.tensor(token_map)
+    mapped = torch.tensor(token_map, device=target.device)
     probs = []
     with torch.inference_mode():
         for prompt, sequence in zip(prompts, sequences, strict=True):
-            logits = target(input_ids=torch.tensor([sequence])).logits[0, len(prompt) - 1:-1]
-            probs.append(torch.softmax(logits.float(), dim=-1)[:, mapped].to(torch.float16))
+            ids = torch.tensor([sequence], device=target.device)
+            logits = target(input_ids=ids).logits[0, len(prompt) - 1:-1]
+            probs.append(torch.softmax(logits.float(), dim=-1)[:, mapped]
+                         .to(torch.float16).cpu())
     return HeldOutSet(sequences, [len(p) for p in prompts], probs, token_map)
 
 
@@ -95,8 +97,8 @@ def measure_agreement(draft: LlamaForCausalLM, held_out: HeldOutSet) -> dict[str
             ids = torch.tensor(sequence)
             rows = input_map[ids.clamp_max(len(input_map) - 1)]
             rows[ids >= len(input_map)] = unk_row
-            logits = draft(input_ids=rows[None]).logits[0, start - 1:-1, :unk_row].float()
-            q = torch.softmax(logits, dim=-1)
+            logits = draft(input_ids=rows[None].to(draft.device)).logits
+            q = torch.softmax(logits[0, start - 1:-1, :unk_row].float(), dim=-1).cpu()
             following = ids[start:]
             matches += int((token_map[q.argmax(-1)] == following).sum())
             accepted += float(torch.minimum(p.float(), q).sum())

@@ -32,9 +32,10 @@ from specdec.engine.runner import ModelRunner
 
 
 def top_k_labels(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The T=1 distribution of each row of logits as (ids int32, probs float16), top k."""
+    """The T=1 distribution of each row of logits as (ids int32, probs float16), top k,
+    on the CPU (records live there, whatever device the model runs on)."""
     top = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
-    return top.indices.to(torch.int32), top.values.to(torch.float16)
+    return top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu()
 
 
 def cut_at(ids: list[int], end: int) -> list[int]:
@@ -61,21 +62,28 @@ def score(target: PreTrainedModel, prompts: list[list[int]], answers: list[list[
     for row, sequence in enumerate(sequences):
         ids[row, : len(sequence)] = torch.tensor(sequence)
         mask[row, : len(sequence)] = 1
+    device = target.device
     with torch.inference_mode():
-        hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = target.model(input_ids=ids.to(device),
+                              attention_mask=mask.to(device)).last_hidden_state
         rows = torch.cat([torch.full((len(a),), row) for row, a in enumerate(answers)])
         cols = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(a))
                           for p, a in zip(prompts, answers, strict=True)])
+        rows, cols = rows.to(device), cols.to(device)
         top_ids, top_probs = top_k_labels(target.lm_head(hidden[rows, cols]), top_k)
     lengths = [len(a) for a in answers]
     return list(zip(top_ids.split(lengths), top_probs.split(lengths), strict=True))
 
 
+Labels = tuple[torch.Tensor, torch.Tensor]  # top-k ids [B, new, k] int32, probs float16
+
+
 def generate(model: PreTrainedModel, prompts: list[list[int]], temperature: float,
-             max_new_tokens: int, end: int, *, pad: int, output_logits: bool = False,
-             suppress: list[int] | None = None) -> tuple[list[list[int]], torch.Tensor | None]:
-    """transformers' generate over left-padded prompts (ids in the model's own rows): each
-    continuation cut after `end`, and the raw logits [B, new, V] when asked."""
+             max_new_tokens: int, end: int, *, pad: int, label_top_k: int = 0,
+             suppress: list[int] | None = None) -> tuple[list[list[int]], Labels | None]:
+    """transformers' generate over left-padded prompts (ids in the model's own rows), on
+    the model's device: each continuation cut after `end`, and with label_top_k > 0 the
+    top-k labels of the raw logits at every step (top_k_labels), on the CPU."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -85,14 +93,19 @@ def generate(model: PreTrainedModel, prompts: list[list[int]], temperature: floa
     greedy = temperature == 0.0
     with torch.inference_mode():
         out = model.generate(  # type: ignore[operator]  # transformers' stub
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+            input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+            max_new_tokens=max_new_tokens,
             do_sample=not greedy, **({} if greedy else {"temperature": temperature,
                                                             "top_k": 0, "top_p": 1.0}),
             eos_token_id=end, pad_token_id=pad, suppress_tokens=suppress,
-            return_dict_in_generate=True, output_logits=output_logits)
-    new = [cut_at(row.tolist(), end) for row in out.sequences[:, width:]]
-    logits = torch.stack(out.logits, dim=1) if output_logits else None
-    return new, logits
+            return_dict_in_generate=True, output_logits=label_top_k > 0)
+        labels = None
+        if label_top_k > 0:  # per step, so no [B, new, V] tensor is ever stacked
+            steps = [top_k_labels(step, label_top_k) for step in out.logits]
+            labels = (torch.stack([i for i, _ in steps], dim=1),
+                      torch.stack([p for _, p in steps], dim=1))
+    new = [cut_at(row, end) for row in out.sequences[:, width:].tolist()]
+    return new, labels
 
 
 class TargetWriter:
@@ -157,14 +170,17 @@ class TargetDecodingProducer:
         prompts = [c.prompt_ids for c in contexts]
         if self.backend == "runner":
             answers, step_logits = self._decode_on_runner(prompts, temperature)
-        else:
-            answers, logits = generate(self.target, prompts, temperature, self.max_new_tokens,
-                                       self.end, pad=self.end, output_logits=True)
-            assert logits is not None
-            step_logits = [logits[row, : len(a)] for row, a in enumerate(answers)]
+            return [make_record(c.kind, temperature, c.prompt_ids, answer,
+                                *top_k_labels(rows, self.top_k))
+                    for c, answer, rows in zip(contexts, answers, step_logits, strict=True)]
+        answers, labels = generate(self.target, prompts, temperature, self.max_new_tokens,
+                                   self.end, pad=self.end, label_top_k=self.top_k)
+        assert labels is not None
+        top_ids, top_probs = labels
         return [make_record(c.kind, temperature, c.prompt_ids, answer,
-                            *top_k_labels(rows, self.top_k))
-                for c, answer, rows in zip(contexts, answers, step_logits, strict=True)]
+                            top_ids[row, : len(answer)].clone(),
+                            top_probs[row, : len(answer)].clone())
+                for row, (c, answer) in enumerate(zip(contexts, answers, strict=True))]
 
     def _decode_on_runner(self, prompts: list[list[int]], temperature: float
                           ) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -57,6 +57,7 @@ from specdec.draft_training.train import (
     load_draft,
     make_draft,
 )
+from specdec.engine.models import parse_device
 
 CHECKPOINT_FILE = "stream_checkpoint.pt"
 HELD_OUT_FILE = "held_out_chat.pt"
@@ -155,6 +156,7 @@ def make_producer(name: str, target_dir: str, target: PreTrainedModel, draft_dir
                   token_map: list[int], end: int, settings: StreamSettings) -> Producer:
     if name == "draft-written":
         sampler, _ = load_draft(draft_dir)  # a copy: the trainer owns the other
+        sampler.to(target.device)  # type: ignore[arg-type]  # transformers' .to stub
         return DraftWrittenProducer(target, sampler, token_map, end, top_k=settings.top_k,
                                     max_new_tokens=settings.max_new_tokens)
     if name == "mix":
@@ -183,12 +185,16 @@ def measure(target_dir: str, draft_dir: Path, settings: StreamSettings,
     torch.set_num_threads(2)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    target.to(parse_device(settings.device))  # type: ignore[arg-type]  # transformers' stub
     _, token_map = load_draft(draft_dir)
     end = ChatFormat(tokenizer).end_of_turn
     source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded,
                                 seed=settings.seed, mix=(1.0, 0.0, 0.0))
+    # the runner producer is the CPU backend's: measured only where the run is on the CPU
+    names = [name for name in PRODUCERS if name != "mix"
+             and (name != "target-runner" or target.device.type == "cpu")]
     producers = [make_producer(name, target_dir, target, draft_dir, token_map, end, settings)
-                 for name in PRODUCERS if name != "mix"]
+                 for name in names]
     report = measure_producers(producers, lambda: source.next_batch(settings.produce_batch),
                                settings.temperatures)
     return {"threads": torch.get_num_threads(), "contexts_per_batch": settings.produce_batch,
@@ -206,6 +212,7 @@ def new_draft(target_dir: str, out_dir: Path, settings: StreamSettings, *, vocab
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
     chat = ChatFormat(tokenizer)
+    target.to(parse_device(settings.device))  # type: ignore[arg-type]  # transformers' stub
     source = ConversationSource(tokenizer, TargetWriter(target, chat.end_of_turn),
                                 seed=settings.seed)
     producer = TargetDecodingProducer(target, chat.end_of_turn, top_k=settings.top_k,
@@ -230,17 +237,20 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     the curve and its plot to out_dir. `target`: the loaded target (bfloat16 by
     default), for callers that already hold it."""
     torch.set_num_threads(1)  # the producer thread has the other core
+    device = parse_device(settings.device)
     work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     if target is None:
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    target.to(device)  # type: ignore[arg-type]  # transformers' .to stub
     target.eval()
     draft, token_map = load_draft(init_draft)
+    draft.to(device)  # type: ignore[arg-type]  # float32 weights: the trainer's copy
     optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.lr, weight_decay=0.0)
     checkpoint, curve_path = work_dir / CHECKPOINT_FILE, work_dir / CURVE_FILE
     progress = Progress()
     if checkpoint.exists():
-        state = torch.load(checkpoint)
+        state = torch.load(checkpoint, map_location=device)
         draft.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         progress = Progress(**state["progress"])
@@ -254,7 +264,9 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded or (),
                                 seed=settings.seed + progress.batches,
                                 max_context=settings.max_context)
-    records: queue.Queue[Record] = queue.Queue(maxsize=settings.queue_size)
+    # at least two producer batches, so the producer never waits on a whole batch
+    records: queue.Queue[Record] = queue.Queue(
+        maxsize=max(settings.queue_size, 2 * settings.produce_batch))
     weights = DraftWeights()
     weights.publish(draft)
     producer = ProducerThread(

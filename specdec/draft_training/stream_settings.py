@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.settings import default
+
 # What writes the text the target labels (producers.py): the draft (the target scores
 # it in one forward) or the target itself, decoding with transformers' generate or with
 # the project's batched runner; or batches in turn from the draft and from generate.
@@ -31,3 +33,4 @@ class StreamSettings:
     held_out_tokens: int = 64
     max_context: int = 384
     seed: int = 0
+    device: str = default("device")  # the target, the draft and the trainer (cuda on a GPU)

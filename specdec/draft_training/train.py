@@ -108,7 +108,9 @@ def _loss(draft: LlamaForCausalLM, batch: list[Record], input_map: torch.Tensor,
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)] = input_map[seq]
         mask[row, : len(seq)] = 1
-    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    device = draft.device  # records stay on the CPU; the step runs where the draft is
+    hidden = draft.model(input_ids=ids.to(device),
+                         attention_mask=mask.to(device)).last_hidden_state
     rows, cols, target_rows, target_probs = [], [], [], []
     for row, record in enumerate(batch):
         start = len(record["prompt_ids"]) - 1
@@ -117,11 +119,12 @@ def _loss(draft: LlamaForCausalLM, batch: list[Record], input_map: torch.Tensor,
         cols.append(torch.arange(start, start + length))
         target_rows.append(input_map[record["topk_ids"].long()])
         target_probs.append(record["topk_probs"].float())
-    picked = hidden[torch.cat(rows), torch.cat(cols)]
+    picked = hidden[torch.cat(rows).to(device), torch.cat(cols).to(device)]
     logits = draft.lm_head(picked)[:, :unk_row]  # the UNK row is never proposed
-    log_q = torch.log_softmax(logits, dim=-1)
-    topk_rows = torch.cat(target_rows)
-    probs = torch.cat(target_probs) * (topk_rows != unk_row)  # mass outside the map is lost
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    topk_rows = torch.cat(target_rows).to(device)
+    # mass outside the map is lost
+    probs = torch.cat(target_probs).to(device) * (topk_rows != unk_row)
     log_q_at = log_q.gather(1, topk_rows.clamp_max(unk_row - 1))
     return -(probs * log_q_at).sum(1).mean()
 
