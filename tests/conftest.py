@@ -8,6 +8,9 @@ tests/test_draft_compile.py and test_exactness.py compile it where that is the s
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("SPECDEC_DRAFT_COMPILE", "off")
 
@@ -26,11 +29,23 @@ if _WORKERS > 1:
 def pytest_collection_modifyitems(items: list) -> None:
     """Tests that start a Ray instance run on one worker, one after another: two local Ray
     clusters on one machine compete for its CPUs and its default ports."""
-    import pytest
-
     for item in items:
         if item.module is not None and item.module.__name__ in RAY_MODULES:
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 RAY_MODULES = {"test_ray", "test_ray_capacity", "test_soak"}  # test_soak: `soak --ray`
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The EAGLE-3 tests' target: a tiny 3-layer Llama (vocabulary 32, seed 1) saved once
+    per module."""
+    import torch
+
+    from tests.tiny_models import tiny_llama
+
+    torch.set_num_threads(1)
+    directory = tmp_path_factory.mktemp("target")
+    tiny_llama(32, seed=1, layers=3).save_pretrained(directory)
+    return directory

@@ -1,4 +1,5 @@
-"""Exact, enumerated law of the first n generated tokens, and a chi-square comparison.
+"""Exact, enumerated law of the first n generated tokens, seeded samples of them, and a
+chi-square comparison.
 
 Used by the empirical exactness tests (in-process and through the services): the
 speculative sampler's joint law of the first tokens must equal the target's own.
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from scipy import stats
 
+from specdec.core.interfaces import Drafter, Verifier
+from specdec.core.loop import GenerateConfig, generate
 from specdec.core.sampling import SamplingParams, process_logits
 
 
@@ -56,6 +59,24 @@ def chi_square_pvalue(samples: Sequence[tuple[int, ...]],
         expected.append(pooled_exp)
     scale = sum(observed) / sum(expected)
     return float(stats.chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+def seeded_samples(drafter: Drafter, verifier: Verifier, prompt: Sequence[int],
+                   params: SamplingParams, length: int, runs: int = 2500,
+                   num_draft_tokens: int = 2) -> tuple[list[tuple[int, ...]], int]:
+    """The first `length` tokens of `runs` generations seeded 0..runs-1, each its own
+    session, and the draft tokens the target accepted over all of them."""
+    samples: list[tuple[int, ...]] = []
+    accepted = 0
+    for seed in range(runs):
+        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p,
+                                seed)
+        result = generate(drafter, verifier, prompt, GenerateConfig(
+            max_new_tokens=length, sampling=seeded, num_draft_tokens=num_draft_tokens,
+            session_id=f"s{seed}"))
+        samples.append(tuple(result.token_ids))
+        accepted += result.stats.accepted_tokens
+    return samples, accepted
 
 
 def all_sequences(vocab: int, length: int) -> list[tuple[int, ...]]:

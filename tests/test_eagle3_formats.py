@@ -30,14 +30,6 @@ FACTS = TargetFacts(hidden_size=32, num_layers=3, vocab_size=VOCAB)
 DEFAULT_AUX = (2, 1, 0)  # EAGLE-3's (2, L/2, L-3) for the 3-layer target
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    directory = tmp_path_factory.mktemp("target")
-    tiny_llama(VOCAB, seed=1, layers=3).save_pretrained(directory)
-    return directory
-
-
 def target_model(target_dir: Path) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from exact_law import chi_square_pvalue, target_law
+from exact_law import chi_square_pvalue, seeded_samples, target_law
 from tiny_models import assert_speculative_greedy_equals_hf, tiny_eagle3_draft, tiny_llama
 
 from specdec.core.history import HiddenSpec
-from specdec.core.loop import GenerateConfig, generate
 from specdec.core.sampling import SamplingParams
 from specdec.engine.local import LocalDrafter, LocalVerifier
 from specdec.engine.runner import ModelRunner
@@ -104,14 +103,7 @@ def test_sampled_law_matches_target() -> None:
     law = target_law(target, prompt, params, length)
     drafter, verifier = LocalDrafter(ModelRunner(draft, vocab)), LocalVerifier(ModelRunner(target))
     assert drafter.target_hidden_spec == HiddenSpec((0, 1, 2), "bfloat16")
-    samples, accepted = [], 0
-    for seed in range(2500):
-        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p,
-                                seed)
-        result = generate(drafter, verifier, prompt, GenerateConfig(
-            max_new_tokens=length, sampling=seeded, num_draft_tokens=2, session_id=f"s{seed}"))
-        samples.append(tuple(result.token_ids))
-        accepted += result.stats.accepted_tokens
+    samples, accepted = seeded_samples(drafter, verifier, prompt, params, length)
     assert accepted > 300  # the draft's tokens make up a good part of what was sampled
     assert chi_square_pvalue(samples, law) > 1e-3
 

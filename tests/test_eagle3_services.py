@@ -14,7 +14,7 @@ import pytest
 import torch
 from service_harness import Services
 from test_eagle3_formats import target_model, write_specforge
-from tiny_models import tiny_eagle3_draft, tiny_llama
+from tiny_models import tiny_eagle3_draft
 
 from specdec.core.loop import GenerateConfig, generate
 from specdec.core.sampling import SamplingParams
@@ -35,14 +35,6 @@ from specdec.serving import wire
 VOCAB = 32
 PROMPT = [3, 14, 15, 9, 2, 6]
 LAYOUTS = ("speculators", "specforge")
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    directory = tmp_path_factory.mktemp("target")
-    tiny_llama(VOCAB, seed=1, layers=3).save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)

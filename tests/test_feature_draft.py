@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from exact_law import chi_square_pvalue, target_law
+from exact_law import chi_square_pvalue, seeded_samples, target_law
 from service_harness import Services
 from tiny_models import assert_speculative_greedy_equals_hf, tiny_feature_draft, tiny_llama
 
@@ -124,14 +124,7 @@ def test_sampled_law_matches_target(params: SamplingParams) -> None:
     draft = tiny_feature_draft(vocab, 32, seed=13, logit_scale=0.5)
     law = target_law(target, prompt, params, length)
     drafter, verifier = LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target))
-    samples, drafted = [], 0
-    for seed in range(2500):
-        seeded = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p,
-                                seed)
-        result = generate(drafter, verifier, prompt, GenerateConfig(
-            max_new_tokens=length, sampling=seeded, num_draft_tokens=2, session_id=f"s{seed}"))
-        samples.append(tuple(result.token_ids))
-        drafted += result.stats.accepted_tokens
+    samples, drafted = seeded_samples(drafter, verifier, prompt, params, length)
     assert drafted > 500  # the draft's tokens make up a good part of what was sampled
     assert chi_square_pvalue(samples, law) > 1e-3
 
