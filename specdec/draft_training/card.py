@@ -218,6 +218,17 @@ def _shards_text(shards: dict[str, int | None]) -> str:
                      for prefix, count in shards.items())
 
 
+def stream_command(settings: dict) -> str:
+    """The `specdec train-draft --stream` line that reproduces a run's settings."""
+    flags = [("--device", settings.get("device", "cpu")), ("--producer", settings["producer"]),
+             ("--stream-produce-batch", settings["produce_batch"]),
+             ("--stream-train-batch", settings["train_batch"]),
+             ("--stream-passes", settings["passes"]), ("--stream-lr", f"{settings['lr']:g}"),
+             ("--stream-checkpoint-every-s", f"{settings['checkpoint_every_s']:g}"),
+             ("--time-budget-min", f"{settings['time_budget_s'] / 60:g}")]
+    return "specdec train-draft --stream " + " ".join(f"{flag} {value}" for flag, value in flags)
+
+
 def write_stream_card(out_dir: Path, init_card: Path, summary: dict) -> None:
     """The card of a draft continued by streaming self-distillation: the starting draft's
     card with this stage added to its training data, its held-out curve (the plot next
@@ -242,8 +253,10 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict) -> None:
         f"temperatures {temperatures} in turn.",
         f"- {progress['step']:,} optimiser steps of {settings['train_batch']} contexts (peak "
         f"learning rate {settings['lr']:g}, each context used at most {settings['passes']} "
-        f"times), {progress['elapsed_s'] / 60:.1f} min on 2 shared CPU cores "
+        f"times), {progress['elapsed_s'] / 60:.1f} min on "
+        f"{summary.get('device_name', '2 shared CPU cores')} "
         f"({summary['tokens_per_s_this_run']:.0f} labelled tokens/s in the last run).",
+        f"- Command: `{stream_command(settings)}`.",
     ]
     curve_lines = [
         "## Held-out curve (streaming stage)",

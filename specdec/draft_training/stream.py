@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -330,12 +331,20 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
                "tokens_per_s_this_run": round(run_tokens / max(elapsed, 1e-9), 1),
                "produced_by_kind": dict(producer.produced),
                "dropped_written_turns": source.dropped_turns,
-               "init_draft": str(init_draft), "target": Path(target_dir).name, "curve": curve}
+               "init_draft": str(init_draft), "target": Path(target_dir).name,
+               "device_name": device_name(device), "curve": curve}
     (work_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     _write_draft(draft, token_map, out_dir, curve)
     if (init_draft / "README.md").exists():  # the starting draft's card, this stage added
         write_stream_card(out_dir, init_draft / "README.md", summary)
     return summary
+
+
+def device_name(device: torch.device) -> str:
+    """The hardware a run trained on, for its summary and model card."""
+    if device.type == "cuda":
+        return f"one {torch.cuda.get_device_name(device)}"
+    return f"{os.cpu_count()} CPU cores"
 
 
 def _next_batch(records: queue.Queue[Record], reusable: deque[tuple[Record, int]],
