@@ -239,3 +239,29 @@ def test_a_new_draft_for_a_target_without_one(tiny: tuple[Path, Path], tmp_path:
     assert chat.end_of_turn == 2 and {2, *chat.assistant_prefix} <= set(token_map)
     assert len(token_map) == 40 and draft.config.vocab_size == 41  # the map and an UNK row
     assert draft.config.num_hidden_layers == 1
+
+
+def test_the_stream_card_puts_both_drafts_evaluations_side_by_side(tmp_path: Path) -> None:
+    from specdec.draft_training.card import stream_command, write_stream_card
+
+    init = tmp_path / "init.md"
+    init.write_text("# a draft\n\n## Training data\n- stage one\n\n## Evaluation (old run)\n"
+                    "| old table |\n\n## Costs (median warm-cache forward, ms)\n- costs\n")
+    settings = {**StreamSettings(device="cuda").__dict__, "temperatures": [0.0, 1.0]}
+
+    def report(alpha: float) -> dict:
+        row = {"prompt_set": "wide", "temperature": 0.0, "gamma": 4, "alpha": alpha,
+               "acceptance_rate": alpha / 2, "mean_accepted_length": 1 + alpha,
+               "greedy_matches_target": True}
+        return {"acceptance": [row], "num_prompts": 3, "max_new_tokens": 8, "threads": 2}
+
+    summary = {"progress": {"tokens": 10, "records": 2, "step": 1, "elapsed_s": 60.0},
+               "settings": settings, "tokens_per_s_this_run": 5.0, "device_name": "one GPU",
+               "curve": [{"tokens": 0, "top1_agreement": 0.4, "expected_acceptance": 0.3,
+                          "positions": 9}, {"tokens": 10, "top1_agreement": 0.5,
+                                            "expected_acceptance": 0.4, "positions": 9}]}
+    write_stream_card(tmp_path, init, summary, (report(0.6), report(0.5)))
+    card = (tmp_path / "README.md").read_text()
+    assert "| wide | 0 | 4 | 0.500 -> 0.600 | 0.250 -> 0.300 | 1.50 -> 1.60 | yes |" in card
+    assert "old table" not in card and "- costs" in card and "1.0 min on one GPU" in card
+    assert f"`{stream_command(settings)}`" in card and "--device cuda" in card

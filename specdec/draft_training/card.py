@@ -229,10 +229,14 @@ def stream_command(settings: dict) -> str:
     return "specdec train-draft --stream " + " ".join(f"{flag} {value}" for flag, value in flags)
 
 
-def write_stream_card(out_dir: Path, init_card: Path, summary: dict) -> None:
+def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
+                      reports: tuple[dict, dict] | None = None) -> None:
     """The card of a draft continued by streaming self-distillation: the starting draft's
     card with this stage added to its training data, its held-out curve (the plot next
-    to the card) and its evaluation table marked as the starting draft's."""
+    to the card) and its evaluation table marked as the starting draft's. With `reports`
+    (evaluate.evaluate of this draft and of the starting draft, measured in one run) the
+    evaluation is the two side by side instead; the costs stay the starting draft's (the
+    stage keeps the architecture)."""
     from specdec.draft_training.heldout import PLOT_FILE
 
     lines = init_card.read_text().splitlines()
@@ -276,12 +280,47 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict) -> None:
             while out and not out[-1].strip():
                 out.pop()
             out += stage + [""]
+        in_evaluation = any(_in_section(lines, index, heading) for heading in lines
+                            if heading.startswith("## Evaluation"))
+        if reports is not None and in_evaluation:
+            if line.startswith("## Evaluation"):
+                out += curve_lines + _comparison_lines(*reports)
+            continue  # the starting draft's table, measured in another run
         if line.startswith("## Evaluation"):
             out += curve_lines
             line = line.replace("## Evaluation",
                                 "## Evaluation of the draft before the streaming stage")
         out.append(line)
     (out_dir / "README.md").write_text("\n".join(out) + "\n")
+
+
+def _comparison_lines(this: dict, start: dict) -> list[str]:
+    """This draft's acceptance beside the starting draft's, from one evaluation run."""
+    rows = [f"| {new.get('prompt_set', 'templated')} | {new['temperature']:g} | "
+            f"{new['gamma']} | {old['alpha']:.3f} -> {new['alpha']:.3f} | "
+            f"{old['acceptance_rate']:.3f} -> {new['acceptance_rate']:.3f} | "
+            f"{old['mean_accepted_length']:.2f} -> {new['mean_accepted_length']:.2f} | "
+            f"{'' if new.get('greedy_matches_target') is None else _yes(new, old)} |"
+            for new, old in zip(this["acceptance"], start["acceptance"], strict=True)]
+    return [
+        f"## Evaluation beside the starting draft ({this['num_prompts']} held-out prompts of "
+        f"each set, up to {this['max_new_tokens']} new tokens, target in fp32, "
+        f"{this['threads']} threads; `specdec/draft_training/evaluate.py`, both drafts in "
+        "one run)",
+        "alpha = accepted / (accepted + rejections), the per-token acceptance probability; "
+        "acceptance rate = accepted / drafted (vLLM's); mean accepted length includes the "
+        "bonus/correction token. Starting draft -> this draft.",
+        "",
+        "| held-out prompts | T | gamma | alpha | acceptance rate | mean accepted length | "
+        "greedy == target |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def _yes(*results: dict) -> str:
+    return "yes" if all(r.get("greedy_matches_target") for r in results) else "NO"
 
 
 def _in_section(lines: list[str], index: int, heading: str) -> bool:
