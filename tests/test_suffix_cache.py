@@ -10,7 +10,14 @@ from exact_law import chi_square_pvalue
 from specdec.core.history import TokenHistory
 from specdec.core.sampling import SamplingParams
 from specdec.core.stats import SUFFIX
-from specdec.core.suffix_cache import NODE_BYTES, ROOT, SuffixCache, SuffixTree, speculate
+from specdec.core.suffix_cache import (
+    NODE_BYTES,
+    ROOT,
+    SuffixCache,
+    SuffixDraft,
+    SuffixTree,
+    speculate,
+)
 from specdec.core.suffix_proposer import (
     SuffixEvidence,
     SuffixProposer,
@@ -203,3 +210,12 @@ def test_a_drawn_node_still_needs_q_for_each_sibling() -> None:
     with pytest.raises(ValueError, match="draft probability 0"):
         verify_tree(torch.tensor([0]), [2], [-1], q, target,
                     SamplingParams(temperature=1.0, seed=1), 0)
+
+
+def test_a_drafts_chain_is_its_first_path_in_best_first_order() -> None:
+    # node 0 and 2 follow the committed text; 1 and 4 follow 0; 3 follows 1
+    draft = SuffixDraft(tokens=(5, 6, 7, 8, 9), parents=(-1, 0, -1, 1, 0),
+                        probs=(0.9, 0.8, 0.1, 0.7, 0.05), match_length=3)
+    chain = draft.chain()
+    assert chain == SuffixDraft((5, 6, 8), (-1, 0, 1), (0.9, 0.8, 0.7), 3)
+    assert chain.chain() == chain and draft.cut(1).chain() == draft.cut(1)

@@ -210,3 +210,42 @@ def test_a_wrong_suffix_q_is_rejected_by_the_same_test() -> None:
         law = target_law(target, LAW_PROMPT, params, LENGTH)
     samples, _, _ = sampled_outputs(UniformQSuffix, params)
     assert chi_square_pvalue(samples, law) < 1e-6
+
+
+class _SharedForwardPolicy:
+    """A costed, load-aware policy whose costs are not known yet."""
+
+    def __init__(self, shared: bool) -> None:
+        self.shared = shared
+
+    def next_length(self) -> int:
+        return 2
+
+    def rate(self, k: int) -> float | None:
+        return None
+
+    def undrafted_round_seconds(self, k: int) -> float | None:
+        return None
+
+    def next_alternatives(self, limit: int) -> int:
+        return 0 if self.shared else limit
+
+    def shares_forward(self) -> bool:
+        return self.shared
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "shared-forward"])
+def test_a_suffix_tree_is_verified_as_a_chain_when_others_share_the_forward(
+        shared: bool) -> None:
+    from specdec.core.loop import _suffix_offer
+    from specdec.core.suffix_proposer import SuffixEvidence
+
+    draft = SuffixDraft(tokens=(5, 6, 7, 8), parents=(-1, 0, -1, 1),
+                        probs=(0.9, 0.8, 0.1, 0.7), match_length=3)
+    offer = _suffix_offer(draft, SuffixProposer(16, 8), SuffixEvidence(),
+                          _SharedForwardPolicy(shared), 2, SamplingParams())
+    assert offer is not None
+    proposal = offer.proposal
+    assert proposal.source == SUFFIX and proposal.tokens == [5, 6, 8]
+    alternatives = proposal.alternatives
+    assert (alternatives is None or not alternatives.tokens) == shared

@@ -391,6 +391,9 @@ class AdaptiveLength:
             offered, kept = self.alternatives_offered[index], self.alternatives_kept[index]
         return (kept + 0.1) / (offered + 1.0)
 
+    def shares_forward(self) -> bool:
+        return not self.load.alone
+
     def next_alternatives(self, limit: int) -> int:
         """How many alternatives (a token tree's nodes beside the chain) to verify this
         round, at most `limit`.

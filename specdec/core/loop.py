@@ -145,7 +145,10 @@ def _lookup_offer(found: Proposal, evidence: LookupEvidence,
 def _suffix_offer(draft: SuffixDraft, suffix: SuffixProposer, evidence: SuffixEvidence,
                   policy: LengthPolicy, asked: int, params: SamplingParams) -> _Offer | None:
     """The suffix draft, cut to its best node count (a prefix of its best-first order is
-    a tree), or None when the draft's round is expected to emit tokens faster."""
+    a tree), or None when the draft's round is expected to emit tokens faster. When other
+    sessions share the forward it is cut to its first path, as the draft's trees are."""
+    if isinstance(policy, AlternativesPolicy) and policy.shares_forward():
+        draft = draft.chain()
     if not isinstance(policy, CostedPolicy):
         return _Offer(suffix.proposal(draft, params), evidence.expected_tokens(draft, len(draft)))
     nodes, rate = evidence.nodes_to_use(draft, policy.undrafted_round_seconds,

@@ -41,6 +41,11 @@ class AlternativesPolicy(Protocol):
         """At most `limit`; asked after next_length, for the same round."""
         ...
 
+    def shares_forward(self) -> bool:
+        """Whether other sessions are expected in this round's forward (then every
+        tree node beside a chain lengthens the forward all of them wait for)."""
+        ...
+
 
 class FixedLength:
     def __init__(self, num_draft_tokens: int) -> None:

@@ -83,6 +83,16 @@ class SuffixDraft:
         return SuffixDraft(self.tokens[:nodes], self.parents[:nodes], self.probs[:nodes],
                            self.match_length)
 
+    def chain(self) -> SuffixDraft:
+        """The draft's first path: from the committed text, each node's first child in
+        best-first order (one verification row per token, no siblings)."""
+        kept: list[int] = []
+        for index, parent in enumerate(self.parents):
+            if parent == (kept[-1] if kept else -1):
+                kept.append(index)
+        return SuffixDraft(tuple(self.tokens[i] for i in kept), tuple(range(-1, len(kept) - 1)),
+                           tuple(self.probs[i] for i in kept), self.match_length)
+
 
 class SuffixTree:
     """Every substring of at most max_depth tokens of the indexed sequences, counted.
