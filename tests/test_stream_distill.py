@@ -246,7 +246,8 @@ def test_the_stream_card_puts_both_drafts_evaluations_side_by_side(tmp_path: Pat
 
     init = tmp_path / "init.md"
     init.write_text("# a draft\n\n## Training data\n- stage one\n\n## Evaluation (old run)\n"
-                    "| old table |\n\n## Costs (median warm-cache forward, ms)\n- costs\n")
+                    "| old table |\n\n## Costs (median warm-cache forward, ms)\n- costs\n\n"
+                    "## Reproduce\n```\nspecdec train-draft eval card  # re-measure\n```\n")
     settings = {**StreamSettings(device="cuda").__dict__, "temperatures": [0.0, 1.0]}
 
     def report(alpha: float) -> dict:
@@ -265,3 +266,5 @@ def test_the_stream_card_puts_both_drafts_evaluations_side_by_side(tmp_path: Pat
     assert "| wide | 0 | 4 | 0.500 -> 0.600 | 0.250 -> 0.300 | 1.50 -> 1.60 | yes |" in card
     assert "old table" not in card and "- costs" in card and "1.0 min on one GPU" in card
     assert f"`{stream_command(settings)}`" in card and "--device cuda" in card
+    assert "eval card" not in card  # `card` would rewrite it as a staged pipeline's card
+    assert f"\n{stream_command(settings)} --stream-from STARTING_DRAFT\n" in card

@@ -290,6 +290,12 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
             out += curve_lines
             line = line.replace("## Evaluation",
                                 "## Evaluation of the draft before the streaming stage")
+        if line.startswith("specdec train-draft eval card"):
+            # `card` writes a card of the staged pipeline, which this draft has outgrown
+            out += ["# streaming stage, from the draft above:",
+                    stream_command(settings) + " --stream-from STARTING_DRAFT"]
+            line = ("specdec train-draft eval --out-dir DRAFT  # re-measure a draft "
+                    "(eval_report.json in --work-dir)")
         out.append(line)
     (out_dir / "README.md").write_text("\n".join(out) + "\n")
 
