@@ -408,7 +408,7 @@ class AdaptiveLength:
         share of theirs (docs/performance.md#token-trees measures it)."""
         if limit <= 0:
             return limit
-        if not self.load.alone:
+        if self.shares_forward():
             return 0
         k = self._choice if self._choice is not None else self._reference
         seconds = self.costs.round_seconds(k)

@@ -275,15 +275,16 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
         "",
     ]
     out: list[str] = []
-    for index, line in enumerate(lines):
-        if line.startswith("## ") and _in_section(lines, index - 1, "## Training data"):
-            while out and not out[-1].strip():
-                out.pop()
-            out += stage + [""]
-        in_evaluation = any(_in_section(lines, index, heading) for heading in lines
-                            if heading.startswith("## Evaluation"))
-        if reports is not None and in_evaluation:
-            if line.startswith("## Evaluation"):
+    section = ""  # the "## " heading the line is under
+    for line in lines:
+        if line.startswith("## "):
+            if section == "## Training data":
+                while out and not out[-1].strip():
+                    out.pop()
+                out += stage + [""]
+            section = line
+        if reports is not None and section.startswith("## Evaluation"):
+            if line == section:
                 out += curve_lines + _comparison_lines(*reports)
             continue  # the starting draft's table, measured in another run
         if line.startswith("## Evaluation"):
@@ -327,11 +328,3 @@ def _comparison_lines(this: dict, start: dict) -> list[str]:
 
 def _yes(*results: dict) -> str:
     return "yes" if all(r.get("greedy_matches_target") for r in results) else "NO"
-
-
-def _in_section(lines: list[str], index: int, heading: str) -> bool:
-    """Whether lines[index] lies under the heading (before the next "## ")."""
-    for line in reversed(lines[: index + 1]):
-        if line.startswith("## "):
-            return line == heading
-    return False

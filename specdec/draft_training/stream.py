@@ -179,14 +179,20 @@ def make_producer(name: str, target_dir: str, target: PreTrainedModel, draft_dir
                                   seed=settings.seed)
 
 
+def load_target(target_dir: str, device: torch.device) -> PreTrainedModel:
+    """The target in bfloat16 on `device`, for inference."""
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    target.to(device)  # type: ignore[arg-type]  # transformers' .to stub
+    return target
+
+
 def measure(target_dir: str, draft_dir: Path, settings: StreamSettings,
             excluded: list[str]) -> dict[str, Any]:
     """Labelled tokens/s of every producer on the same contexts: one batch of
     settings.produce_batch contexts per temperature (measure_producers)."""
     torch.set_num_threads(2)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
-    target.to(parse_device(settings.device))  # type: ignore[arg-type]  # transformers' stub
+    target = load_target(target_dir, parse_device(settings.device))
     _, token_map = load_draft(draft_dir)
     end = ChatFormat(tokenizer).end_of_turn
     source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded,
@@ -211,9 +217,8 @@ def new_draft(target_dir: str, out_dir: Path, settings: StreamSettings, *, vocab
     if (out_dir / "token_map.json").exists():
         return out_dir
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    target = load_target(target_dir, parse_device(settings.device))
     chat = ChatFormat(tokenizer)
-    target.to(parse_device(settings.device))  # type: ignore[arg-type]  # transformers' stub
     source = ConversationSource(tokenizer, TargetWriter(target, chat.end_of_turn),
                                 seed=settings.seed)
     producer = TargetDecodingProducer(target, chat.end_of_turn, top_k=settings.top_k,
@@ -242,9 +247,10 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     if target is None:
-        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
-    target.to(device)  # type: ignore[arg-type]  # transformers' .to stub
-    target.eval()
+        target = load_target(target_dir, device)
+    else:
+        target.to(device)  # type: ignore[arg-type]  # transformers' .to stub
+        target.eval()
     draft, token_map = load_draft(init_draft)
     draft.to(device)  # type: ignore[arg-type]  # float32 weights: the trainer's copy
     optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.lr, weight_decay=0.0)
