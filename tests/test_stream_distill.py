@@ -268,3 +268,61 @@ def test_the_stream_card_puts_both_drafts_evaluations_side_by_side(tmp_path: Pat
     assert f"`{stream_command(settings)}`" in card and "--device cuda" in card
     assert "eval card" not in card  # `card` would rewrite it as a staged pipeline's card
     assert f"\n{stream_command(settings)} --stream-from STARTING_DRAFT\n" in card
+
+
+def test_target_decoding_keeps_the_layer_states_an_eagle3_draft_reads(
+        tiny: tuple[Path, Path]) -> None:
+    target_dir, _ = tiny
+    target = _target(target_dir)
+    producer = TargetDecodingProducer(target, 2, top_k=4, max_new_tokens=5,
+                                      state_layers=(1, 0))
+    records = producer.produce(_contexts(target_dir), 1.0)
+    _assert_labels_are_the_targets(target, records)
+    for record in records:
+        ids = torch.cat([record["prompt_ids"], record["new_ids"]]).long()[None]
+        with torch.no_grad():
+            states = target(input_ids=ids, output_hidden_states=True).hidden_states
+        expected = torch.cat([states[1][0], states[0][0]], dim=-1)  # layer inputs, in order
+        assert record["aux_states"].dtype == torch.bfloat16
+        torch.testing.assert_close(record["aux_states"].float(), expected, rtol=2e-2,
+                                   atol=2e-2)
+
+
+def test_an_eagle3_stream_run_writes_a_speculators_draft_and_resumes(
+        tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    from specdec.engine.eagle3_formats import directory_layout, load_eagle3, target_facts
+
+    target_dir, token_draft = tiny
+    settings = StreamSettings(time_budget_s=3.0, train_batch=2, produce_batch=3,
+                              max_new_tokens=6, top_k=4, lr=1e-3, queue_size=4,
+                              checkpoint_every_s=1.0, progress_every_s=1.0,
+                              held_out_prompts=2, held_out_tokens=4, draft_kind="eagle3",
+                              ttt_steps=3, producer="target-generate")
+    work, out = tmp_path / "work", tmp_path / "out"
+    first = stream_distill(str(target_dir), token_draft, work, out, settings)
+    assert first["progress"]["step"] > 0
+    curve = json.loads((work / CURVE_FILE).read_text())
+    assert len(curve) >= 2 and all(len(p["top1_by_step"]) == 3 for p in curve)
+    assert directory_layout(out) == "speculators" and (out / PLOT_FILE).exists()
+    target = _target(target_dir)
+    draft = load_eagle3(out, None, target_facts(target.config), target_dir)
+    token_map = json.loads((token_draft / "token_map.json").read_text())["target_ids"]
+    assert draft.draft_to_target().tolist() == token_map
+    assert next(draft.lm_head.parameters()).dtype == torch.bfloat16
+    assert torch.equal(draft.model.embed_tokens.weight,  # shared, not stored
+                       target.get_input_embeddings().weight.to(torch.bfloat16))
+    # a draft served from out speculates exactly: greedy equals the target alone
+    from tiny_models import assert_speculative_greedy_equals_hf
+    assert_speculative_greedy_equals_hf(target, target, draft.float(), lengths=(2, 4))
+
+    second = stream_distill(str(target_dir), token_draft, work, out, settings)
+    assert second["progress"]["step"] > first["progress"]["step"]
+
+
+def test_an_eagle3_run_needs_the_producer_that_keeps_states(
+        tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    target_dir, token_draft = tiny
+    settings = StreamSettings(time_budget_s=1.0, draft_kind="eagle3", producer="mix",
+                              held_out_prompts=1, held_out_tokens=2)
+    with pytest.raises(ValueError, match="target-generate"):
+        stream_distill(str(target_dir), token_draft, tmp_path / "w", tmp_path / "o", settings)

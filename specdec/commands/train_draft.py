@@ -50,7 +50,7 @@ def _stage(name: str) -> str:
 
 
 def add_stream_settings(parser: argparse.ArgumentParser) -> None:
-    from specdec.draft_training.stream_settings import PRODUCERS, StreamSettings
+    from specdec.draft_training.stream_settings import DRAFT_KINDS, PRODUCERS, StreamSettings
 
     defaults = StreamSettings()
     group = parser.add_argument_group("streaming self-distillation (--stream)")
@@ -62,6 +62,13 @@ def add_stream_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(group, "--producer", defaults.producer, "what writes the text the target "
                 "labels", choices=PRODUCERS)
     add_setting(group, "--stream-lr", defaults.lr, "peak learning rate", type=float)
+    add_setting(group, "--stream-draft-kind", defaults.draft_kind,
+                "token: a draft that reads tokens only; eagle3: a one-layer EAGLE-3 draft "
+                "that reads the target's layer states (written in the speculators layout; "
+                "with a token draft's folder as --stream-from, a new one over its "
+                "vocabulary)", choices=DRAFT_KINDS)
+    add_setting(group, "--stream-ttt-steps", defaults.ttt_steps,
+                "EAGLE-3: drafted steps of each training-time test", type=int)
     add_setting(group, "--stream-target", models.DEFAULT_TARGET,
                 "the target to distil from (an embedded name, a directory or a hub id)")
     add_setting(group, "--stream-from", str(ASSET_DIR),
@@ -172,7 +179,8 @@ def run_stream(args: argparse.Namespace, target_dir: str, work_dir: Path) -> int
                        producer=args.producer, lr=args.stream_lr, device=args.device,
                        produce_batch=args.stream_produce_batch,
                        train_batch=args.stream_train_batch, passes=args.stream_passes,
-                       checkpoint_every_s=args.stream_checkpoint_every_s)
+                       checkpoint_every_s=args.stream_checkpoint_every_s,
+                       draft_kind=args.stream_draft_kind, ttt_steps=args.stream_ttt_steps)
     bench = bench_texts()  # every bench workload's messages: never a training turn
     start = (new_draft(target_dir, work_dir / "initial-draft", settings,
                        vocab_size=args.draft_vocab, num_layers=args.draft_layers)

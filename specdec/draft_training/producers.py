@@ -10,13 +10,16 @@ draft vocabulary). Two producers make them:
   learns on the text it writes itself.
 - `TargetDecodingProducer`: the target writes the answers and its distribution at each
   step is the label, decoded either with transformers' `generate` or with the project's
-  batched runner (`ModelRunner.extend_batch`, one packed forward per step).
+  batched runner (`ModelRunner.extend_batch`, one packed forward per step). For an
+  EAGLE-3 draft it also keeps the inputs of the layers the draft reads (`aux_states`, at
+  every position), labels and states both from one scoring forward after `generate`.
 
 Which is faster is measured by `measure_producers` (docs/models.md has the figures).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +31,7 @@ from specdec.core.history import TokenHistory
 from specdec.draft_training.stream_prompts import Context
 from specdec.draft_training.train import Record
 from specdec.engine.extend import ExtendRequest
+from specdec.engine.hidden_states import decoder_layers
 from specdec.engine.runner import ModelRunner
 
 
@@ -51,28 +55,70 @@ def make_record(kind: str, temperature: float, prompt_ids: list[int], new_ids: l
             "kind": kind, "temperature": temperature}  # type: ignore[dict-item]
 
 
+def target_aux_states(target: PreTrainedModel, layers: tuple[int, ...],
+                      ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last hidden state [B, T, H], the inputs of `layers` side by side [B, T, n*H])
+    from one forward of the target's decoder."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    # hooks are the module's, seen by every thread: keep this thread's forward only (the
+    # trainer measures while the producer's thread runs the same target)
+    owner = threading.get_ident()
+    for layer_id in sorted(set(layers)):
+        def keep(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 key: int = layer_id) -> None:
+            if threading.get_ident() == owner:
+                captured[key] = args[0] if args else kwargs["hidden_states"]
+
+        handles.append(decoder_layers(target)[layer_id].register_forward_pre_hook(
+            keep, with_kwargs=True))
+    try:
+        last = target.model(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not layers:
+        return last, last.new_zeros(last.shape[:-1] + (0,))
+    return last, torch.cat([captured[key] for key in layers], dim=-1)
+
+
 def score(target: PreTrainedModel, prompts: list[list[int]], answers: list[list[int]],
-          top_k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The target's labels for each answer after its prompt, from ONE forward over the
-    right-padded sequences in the target's dtype; the head runs on the answer rows only."""
-    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros((len(sequences), width), dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        ids[row, : len(sequence)] = torch.tensor(sequence)
-        mask[row, : len(sequence)] = 1
+          top_k: int, state_layers: tuple[int, ...] = (), chunk: int = 64
+          ) -> list[tuple[torch.Tensor, ...]]:
+    """The target's labels for each answer after its prompt, from one forward over the
+    right-padded sequences (chunk at a time) in the target's dtype; the head runs on the
+    answer rows only. With state_layers, each answer also gets the inputs of those
+    decoder layers at every position of prompt + answer (bfloat16, on the CPU): what an
+    EAGLE-3 draft reads."""
+    labelled: list[tuple[torch.Tensor, ...]] = []
     device = target.device
-    with torch.inference_mode():
-        hidden = target.model(input_ids=ids.to(device),
-                              attention_mask=mask.to(device)).last_hidden_state
-        rows = torch.cat([torch.full((len(a),), row) for row, a in enumerate(answers)])
-        cols = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(a))
-                          for p, a in zip(prompts, answers, strict=True)])
-        rows, cols = rows.to(device), cols.to(device)
-        top_ids, top_probs = top_k_labels(target.lm_head(hidden[rows, cols]), top_k)
-    lengths = [len(a) for a in answers]
-    return list(zip(top_ids.split(lengths), top_probs.split(lengths), strict=True))
+    for begin in range(0, len(prompts), chunk):
+        part_prompts, part_answers = prompts[begin: begin + chunk], answers[begin: begin + chunk]
+        sequences = [p + a for p, a in zip(part_prompts, part_answers, strict=True)]
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            mask[row, : len(sequence)] = 1
+        with torch.inference_mode():
+            hidden, states = target_aux_states(target, state_layers, ids.to(device),
+                                               mask.to(device))
+            rows = torch.cat([torch.full((len(a),), row) for row, a in enumerate(part_answers)])
+            cols = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(a))
+                              for p, a in zip(part_prompts, part_answers, strict=True)])
+            rows, cols = rows.to(device), cols.to(device)
+            top_ids, top_probs = top_k_labels(target.lm_head(hidden[rows, cols]), top_k)
+            lengths = [len(a) for a in part_answers]
+            for row, (ids_part, probs_part) in enumerate(zip(
+                    top_ids.split(lengths), top_probs.split(lengths), strict=True)):
+                if state_layers:
+                    row_states = states[row, : len(sequences[row])].to(torch.bfloat16).cpu()
+                    labelled.append((ids_part, probs_part, row_states))
+                else:
+                    labelled.append((ids_part, probs_part))
+    return labelled
 
 
 Labels = tuple[torch.Tensor, torch.Tensor]  # top-k ids [B, new, k] int32, probs float16
@@ -159,9 +205,12 @@ class TargetDecodingProducer:
 
     def __init__(self, target: PreTrainedModel, end: int, *, top_k: int, max_new_tokens: int,
                  backend: str = "generate", runner: ModelRunner | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, state_layers: tuple[int, ...] = ()) -> None:
+        if state_layers and backend != "generate":
+            raise ValueError("the target's layer states come with the generate backend only")
         self.name = f"target-{backend}"
         self.target, self.end, self.backend = target, end, backend
+        self.state_layers = state_layers
         self.top_k, self.max_new_tokens = top_k, max_new_tokens
         self.runner = runner
         self.generator = torch.Generator().manual_seed(seed)
@@ -173,6 +222,18 @@ class TargetDecodingProducer:
             return [make_record(c.kind, temperature, c.prompt_ids, answer,
                                 *top_k_labels(rows, self.top_k))
                     for c, answer, rows in zip(contexts, answers, step_logits, strict=True)]
+        if self.state_layers:  # labels and states from one scoring forward
+            answers, _ = generate(self.target, prompts, temperature, self.max_new_tokens,
+                                  self.end, pad=self.end)
+            records = []
+            for c, answer, (top_ids, top_probs, states) in zip(
+                    contexts, answers, score(self.target, prompts, answers, self.top_k,
+                                             self.state_layers), strict=True):
+                record = make_record(c.kind, temperature, c.prompt_ids, answer, top_ids,
+                                     top_probs)
+                record["aux_states"] = states
+                records.append(record)
+            return records
         answers, labels = generate(self.target, prompts, temperature, self.max_new_tokens,
                                    self.end, pad=self.end, label_top_k=self.top_k)
         assert labels is not None

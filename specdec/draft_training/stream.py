@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
 from specdec.draft_training.card import write_stream_card
+from specdec.draft_training.eagle3_train import (
+    draft_token_map,
+    eagle3_loss,
+    make_eagle3_draft,
+    measure_eagle3_agreement,
+)
 from specdec.draft_training.heldout import (
     CURVE_FILE,
     PLOT_FILE,
-    HeldOutSet,
     load_or_build_held_out,
     measure_agreement,
     plot_curve,
@@ -58,6 +64,7 @@ from specdec.draft_training.train import (
     load_draft,
     make_draft,
 )
+from specdec.engine.eagle3 import Eagle3DraftForCausalLM
 from specdec.engine.models import parse_device
 
 CHECKPOINT_FILE = "stream_checkpoint.pt"
@@ -154,7 +161,11 @@ def _save_checkpoint(path: Path, draft: torch.nn.Module, optimizer: torch.optim.
 
 
 def make_producer(name: str, target_dir: str, target: PreTrainedModel, draft_dir: Path,
-                  token_map: list[int], end: int, settings: StreamSettings) -> Producer:
+                  token_map: list[int], end: int, settings: StreamSettings,
+                  state_layers: tuple[int, ...] = ()) -> Producer:
+    if state_layers and name != "target-generate":
+        raise ValueError(f"an EAGLE-3 draft trains on the target's states, which the "
+                         f"target-generate producer keeps; --producer {name} does not")
     if name == "draft-written":
         sampler, _ = load_draft(draft_dir)  # a copy: the trainer owns the other
         sampler.to(target.device)  # type: ignore[arg-type]  # transformers' .to stub
@@ -176,7 +187,7 @@ def make_producer(name: str, target_dir: str, target: PreTrainedModel, draft_dir
                                       backend="runner", runner=runner, seed=settings.seed)
     return TargetDecodingProducer(target, end, top_k=settings.top_k,
                                   max_new_tokens=settings.max_new_tokens, backend="generate",
-                                  seed=settings.seed)
+                                  seed=settings.seed, state_layers=state_layers)
 
 
 def load_target(target_dir: str, device: torch.device) -> PreTrainedModel:
@@ -251,9 +262,16 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     else:
         target.to(device)  # type: ignore[arg-type]  # transformers' .to stub
         target.eval()
-    draft, token_map = load_draft(init_draft)
+    eagle3 = settings.draft_kind == "eagle3"
+    draft: LlamaForCausalLM
+    if eagle3:
+        draft = load_or_make_eagle3(init_draft, target_dir, target)
+        token_map = draft_token_map(draft)
+    else:
+        draft, token_map = load_draft(init_draft)
     draft.to(device)  # type: ignore[arg-type]  # float32 weights: the trainer's copy
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad],
+                                  lr=settings.lr, weight_decay=0.0)
     checkpoint, curve_path = work_dir / CHECKPOINT_FILE, work_dir / CURVE_FILE
     progress = Progress()
     if checkpoint.exists():
@@ -264,10 +282,15 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
         print(f"resuming at step {progress.step}, {progress.tokens:,} tokens", flush=True)
     held_out = load_or_build_held_out(work_dir / HELD_OUT_FILE, target, tokenizer, token_map,
                                       settings.held_out_prompts, settings.held_out_tokens)
+    def measure(model: LlamaForCausalLM) -> dict[str, Any]:
+        if isinstance(model, Eagle3DraftForCausalLM):
+            return measure_eagle3_agreement(model, target, held_out, settings.ttt_steps)
+        return measure_agreement(model, held_out)
+
     curve = read_curve(curve_path) if checkpoint.exists() else []
     end = ChatFormat(tokenizer).end_of_turn
     if not curve:
-        _record_point(curve, curve_path, draft, held_out, progress, float("nan"))
+        _record_point(curve, curve_path, draft, measure, progress, float("nan"))
     source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded or (),
                                 seed=settings.seed + progress.batches,
                                 max_context=settings.max_context)
@@ -278,12 +301,14 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     weights.publish(draft)
     producer = ProducerThread(
         make_producer(settings.producer, target_dir, target, init_draft, token_map, end,
-                      settings),
+                      settings, draft.eagle3.aux_layer_ids
+                      if isinstance(draft, Eagle3DraftForCausalLM) else ()),
         source, records, settings, weights, progress.batches)
     producer.start()
     unk_row = len(token_map)
     input_map = torch.full((int(target.config.vocab_size),), unk_row)
     input_map[torch.tensor(token_map)] = torch.arange(unk_row)
+    draft_rows = torch.where(input_map == unk_row, -1, input_map)  # EAGLE-3: no UNK row
     reusable: deque[tuple[Record, int]] = deque()  # (record, times used)
     losses: deque[float] = deque(maxlen=50)
     run_started = time.monotonic()
@@ -303,7 +328,9 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
             progress.trained_tokens += sum(len(r["new_ids"]) for r, _ in batch)
             for group in optimizer.param_groups:
                 group["lr"] = _lr(settings, progress.step, time.monotonic() - run_started)
-            loss = _loss(draft, [r for r, _ in batch], input_map, unk_row)
+            loss = (eagle3_loss(draft, [r for r, _ in batch], draft_rows,  # type: ignore[arg-type]
+                                settings.ttt_steps) if eagle3
+                    else _loss(draft, [r for r, _ in batch], input_map, unk_row))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -322,7 +349,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
                 last_checkpoint = now
                 progress.batches = producer.batch_index
                 progress.elapsed_s = earlier_s + now - run_started
-                _checkpoint(checkpoint, curve, curve_path, draft, optimizer, held_out,
+                _checkpoint(checkpoint, curve, curve_path, draft, optimizer, measure,
                             progress, losses)
                 weights.publish(draft)
     finally:
@@ -331,7 +358,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     progress.batches = producer.batch_index
     elapsed = time.monotonic() - run_started
     progress.elapsed_s = earlier_s + elapsed
-    _checkpoint(checkpoint, curve, curve_path, draft, optimizer, held_out, progress, losses)
+    _checkpoint(checkpoint, curve, curve_path, draft, optimizer, measure, progress, losses)
     summary = {"settings": asdict(settings), "progress": asdict(progress),
                "run_s": round(elapsed, 1), "run_tokens": run_tokens,
                "tokens_per_s_this_run": round(run_tokens / max(elapsed, 1e-9), 1),
@@ -340,8 +367,11 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
                "init_draft": str(init_draft), "target": Path(target_dir).name,
                "device_name": device_name(device), "curve": curve}
     (work_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-    _write_draft(draft, token_map, out_dir, curve)
-    if (init_draft / "README.md").exists():  # the starting draft's card, this stage added
+    if isinstance(draft, Eagle3DraftForCausalLM):
+        _write_eagle3(draft, out_dir, curve, target)
+    else:
+        _write_draft(draft, token_map, out_dir, curve)
+    if not eagle3 and (init_draft / "README.md").exists():  # the starting card + this stage
         write_stream_card(out_dir, init_draft / "README.md", summary)
     return summary
 
@@ -373,10 +403,11 @@ def _next_batch(records: queue.Queue[Record], reusable: deque[tuple[Record, int]
 
 
 def _record_point(curve: list[dict[str, Any]], path: Path, draft: LlamaForCausalLM,
-                  held_out: HeldOutSet, progress: Progress, loss: float) -> None:
+                  measure: Callable[[LlamaForCausalLM], dict[str, Any]], progress: Progress,
+                  loss: float) -> None:
     point = {"tokens": progress.tokens, "trained_tokens": progress.trained_tokens,
              "step": progress.step, "loss": None if math.isnan(loss) else round(loss, 4),
-             **measure_agreement(draft, held_out)}
+             **measure(draft)}
     curve.append(point)
     write_curve(path, curve)
     print(f"held-out: top-1 agreement {point['top1_agreement']:.4f}, expected acceptance "
@@ -385,9 +416,10 @@ def _record_point(curve: list[dict[str, Any]], path: Path, draft: LlamaForCausal
 
 def _checkpoint(path: Path, curve: list[dict[str, Any]], curve_path: Path,
                 draft: LlamaForCausalLM, optimizer: torch.optim.Optimizer,
-                held_out: HeldOutSet, progress: Progress, losses: deque[float]) -> None:
+                measure: Callable[[LlamaForCausalLM], dict[str, Any]], progress: Progress,
+                losses: deque[float]) -> None:
     _save_checkpoint(path, draft, optimizer, progress)
-    _record_point(curve, curve_path, draft, held_out, progress,
+    _record_point(curve, curve_path, draft, measure, progress,
                   sum(losses) / len(losses) if losses else float("nan"))
     draft.train()
 
@@ -401,3 +433,32 @@ def _write_draft(draft: LlamaForCausalLM, token_map: list[int], out_dir: Path,
     (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
     write_curve(out_dir / CURVE_FILE, curve)
     plot_curve(curve, out_dir / PLOT_FILE, "held-out acceptance of the draft, streaming stage")
+
+
+def load_or_make_eagle3(init_draft: Path, target_dir: str,
+                        target: PreTrainedModel) -> Eagle3DraftForCausalLM:
+    """init_draft when it is an EAGLE-3 draft (either layout; float32, embeddings frozen),
+    else a new one over init_draft's draft vocabulary (its token_map.json)."""
+    from specdec.engine.eagle3_formats import directory_layout, load_eagle3, target_facts
+
+    if directory_layout(init_draft) is not None:
+        draft = load_eagle3(init_draft, torch.float32, target_facts(target.config), target_dir)
+        draft.model.embed_tokens.weight.requires_grad_(False)
+        return draft
+    token_map = json.loads((init_draft / "token_map.json").read_text())["target_ids"]
+    return make_eagle3_draft(target, token_map)
+
+
+def _write_eagle3(draft: Eagle3DraftForCausalLM, out_dir: Path, curve: list[dict[str, Any]],
+                  target: PreTrainedModel) -> None:
+    """The draft in the speculators layout (bfloat16, the target's embeddings left out:
+    loaders take them from the target), with the curve and its plot."""
+    from specdec.engine.eagle3_formats import save_speculators
+
+    stored = copy.deepcopy(draft)
+    torch.nn.Module.to(stored, torch.bfloat16)  # transformers' .to stub takes no dtype
+    name = str(getattr(target.config, "_name_or_path", "") or "target")
+    save_speculators(stored, out_dir, name, list(target.config.architectures or []),
+                     shared_embeddings=True)
+    write_curve(out_dir / CURVE_FILE, curve)
+    plot_curve(curve, out_dir / PLOT_FILE, "held-out acceptance of the EAGLE-3 draft")

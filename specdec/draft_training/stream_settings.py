@@ -11,6 +11,9 @@ from specdec.settings import default
 # it in one forward) or the target itself, decoding with transformers' generate or with
 # the project's batched runner; or batches in turn from the draft and from generate.
 PRODUCERS = ("draft-written", "target-generate", "target-runner", "mix")
+# The draft a run trains: a token-only draft (train.py) or an EAGLE-3 draft that reads the
+# target's layer states (eagle3_train.py; its producer is target-generate).
+DRAFT_KINDS = ("token", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -34,3 +37,5 @@ class StreamSettings:
     max_context: int = 384
     seed: int = 0
     device: str = default("device")  # the target, the draft and the trainer (cuda on a GPU)
+    draft_kind: str = "token"  # DRAFT_KINDS
+    ttt_steps: int = 4  # EAGLE-3: drafted steps each training-time test runs

@@ -292,11 +292,15 @@ def speculators_config(model: Eagle3DraftForCausalLM, verifier: str,
     return config
 
 
-def speculators_tensors(model: Eagle3DraftForCausalLM) -> dict[str, torch.Tensor]:
+def speculators_tensors(model: Eagle3DraftForCausalLM, shared_embeddings: bool = False
+                        ) -> dict[str, torch.Tensor]:
     """The tensors under the speculators layout's names (d2t/t2d only for a reduced
-    draft vocabulary)."""
+    draft vocabulary; no embed_tokens with shared_embeddings: the loader takes the
+    target's)."""
     tensors = {}
     for name, tensor in model.state_dict().items():
+        if shared_embeddings and name == "model.embed_tokens.weight":
+            continue
         tensors[name.removeprefix("model.")] = tensor.detach().contiguous().cpu()
     if model.eagle3.draft_vocab_size == int(model.config.vocab_size) \
             and not bool(tensors["d2t"].any()):
@@ -305,14 +309,15 @@ def speculators_tensors(model: Eagle3DraftForCausalLM) -> dict[str, torch.Tensor
 
 
 def save_speculators(model: Eagle3DraftForCausalLM, out_dir: Path, verifier: str,
-                     verifier_architectures: list[str], tokenizer_dir: Path | None = None
-                     ) -> Path:
+                     verifier_architectures: list[str], tokenizer_dir: Path | None = None,
+                     shared_embeddings: bool = False) -> Path:
     """Write `model` in the speculators layout (config.json, model.safetensors), with the
-    tokenizer files of tokenizer_dir where given."""
+    tokenizer files of tokenizer_dir where given; shared_embeddings leaves out
+    embed_tokens (the target's, which loaders take in its place)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = speculators_config(model, verifier, verifier_architectures)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(speculators_tensors(model), str(out_dir / "model.safetensors"),
+    save_file(speculators_tensors(model, shared_embeddings), str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer_dir is not None:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
