@@ -120,3 +120,39 @@ def test_training_lowers_the_loss_and_freezes_the_shared_embeddings() -> None:
         optimizer.step()
     assert float(eagle3_loss(draft, records, rows, steps=3).detach()) < 0.9 * first
     assert torch.equal(draft.model.embed_tokens.weight, embeddings)
+
+
+def test_the_loss_is_the_weighted_cross_entropy_of_every_labelled_step() -> None:
+    """Against a direct computation from ttt_logits: every answer position counts, also
+    one whose most probable target token lies outside the draft vocabulary."""
+    target = tiny_llama(VOCAB, seed=1, layers=5).eval()
+    token_map = list(range(0, VOCAB, 3))
+    draft = make_eagle3_draft(target, token_map)
+    rows = torch.full((VOCAB,), -1)
+    rows[torch.tensor(token_map)] = torch.arange(len(token_map))
+    records = _records(target, 3)
+    assert any(int(r["topk_ids"][i, 0]) not in token_map
+               for r in records for i in range(len(r["new_ids"])))
+    steps, decay = 3, 0.8
+    with torch.no_grad():
+        loss = float(eagle3_loss(draft, records, rows, steps=steps, decay=decay))
+        expected = 0.0
+        for step in range(steps):
+            terms = []
+            for record in records:
+                ids = torch.cat([record["prompt_ids"], record["new_ids"]]).long()[None]
+                logits = ttt_logits(draft, ids, record["aux_states"][None].float(),
+                                    torch.tensor([ids.shape[1]]), steps)[step][0]
+                start = len(record["prompt_ids"]) - 1
+                for i in range(len(record["new_ids"])):
+                    chain = start + i - step
+                    if chain < 0:
+                        continue
+                    log_q = torch.log_softmax(logits[chain].float(), dim=-1)
+                    terms.append(-sum(float(p) * float(log_q[rows[int(t)]])
+                                      for t, p in zip(record["topk_ids"][i],
+                                                      record["topk_probs"][i].float(), strict=True)
+                                      if rows[int(t)] >= 0))
+            expected += decay ** step * sum(terms) / len(terms)
+        expected /= sum(decay ** step for step in range(steps))
+    assert abs(loss - expected) < 1e-4 * max(1.0, abs(expected))

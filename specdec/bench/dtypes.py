@@ -61,7 +61,8 @@ def load_runners(settings: PairSettings, label: str) -> tuple[ModelRunner, Model
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=False,
                             linear_kernel=kernel, attention_kernel=attention)
     draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=False,
-                           linear_kernel=kernel, attention_kernel=attention)
+                           linear_kernel=kernel, attention_kernel=attention,
+                           target_model=settings.target_model)
     target_model: Any = target.model
     draft_model: Any = draft.model
     if name == "int8":

@@ -175,7 +175,8 @@ def load_models(settings: BenchSettings) -> BenchModels:
                               draft_linear_kernel=draft_linear_kernel,
                               draft_compile=settings.draft_compile)
     choice = backend.load_draft(settings.draft_model, target_vocab_size=info.vocab_size,
-                                progress=settings.progress)
+                                progress=settings.progress,
+                                target_model=settings.target_model)
     draft, precision = choice.loaded, choice.precision
     models = BenchModels(target.model, draft.model, draft.token_map, target.tokenizer,
                          info.eos_token_ids, str(resolve(settings.draft_model)),

@@ -101,6 +101,14 @@ def ttt_logits(draft: Eagle3DraftForCausalLM, ids: torch.Tensor, aux_states: tor
     the draft's distribution of the token at position t+j+1 when it has drafted
     positions t+1..t+j itself after the committed prefix 0..t (valid while t+j+1 <
     length)."""
+    return [draft.lm_head(state) for state in ttt_states(draft, ids, aux_states, lengths,
+                                                         steps)]
+
+
+def ttt_states(draft: Eagle3DraftForCausalLM, ids: torch.Tensor, aux_states: torch.Tensor,
+               lengths: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """ttt_logits before the LM head: each step's [B, T, hidden] output after `norm`
+    (the loss runs the head on the rows that have labels only)."""
     if len(draft.model.layers) != 1:
         raise ValueError("the training-time test is written for one EAGLE-3 layer, the "
                          f"draft has {len(draft.model.layers)}")
@@ -146,7 +154,7 @@ def ttt_logits(draft: Eagle3DraftForCausalLM, ids: torch.Tensor, aux_states: tor
         hidden = residual + attended
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         normed_out = draft.model.norm(hidden)
-        out.append(draft.lm_head(normed_out))
+        out.append(normed_out)
         state = normed_out if norm_output else hidden
     return out
 
@@ -171,24 +179,29 @@ def eagle3_loss(draft: Eagle3DraftForCausalLM, batch: list[Record], draft_rows: 
     (records with aux_states). draft_rows: each target id's draft row, -1 outside."""
     device = draft.fc.weight.device
     ids, aux, lengths = _batch_tensors(batch, device)
-    logits = ttt_logits(draft, ids, aux.float(), lengths, steps)
+    states = ttt_states(draft, ids, aux.float(), lengths, steps)
     width, top_k = ids.shape[1], int(batch[0]["topk_ids"].shape[-1])
     label_rows = torch.full((len(batch), width, top_k), -1, dtype=torch.long)
     label_probs = torch.zeros((len(batch), width, top_k))
+    has_label = torch.zeros((len(batch), width), dtype=torch.bool)
     for row, record in enumerate(batch):
         start = len(record["prompt_ids"]) - 1  # the position that predicts new_ids[0]
         count = len(record["new_ids"])
         label_rows[row, start: start + count] = draft_rows[record["topk_ids"].long()]
         label_probs[row, start: start + count] = record["topk_probs"].float()
+        has_label[row, start: start + count] = True
     label_rows, label_probs = label_rows.to(device), label_probs.to(device)
-    total = logits[0].new_zeros(())
+    has_label = has_label.to(device)
+    total = states[0].new_zeros(())
     weights = 0.0
-    for step, step_logits in enumerate(logits):
+    for step, step_states in enumerate(states):
         rows = label_rows[:, step:]
-        probs = label_probs[:, step:] * (rows >= 0)
-        log_q = torch.log_softmax(step_logits[:, : width - step].float(), dim=-1)
-        picked = log_q.gather(-1, rows.clamp_min(0))
-        positions = (label_rows[:, step:, 0] >= 0).sum().clamp_min(1)
+        labelled = has_label[:, step:]  # [B, T - step]: chains whose next token has a label
+        probs = label_probs[:, step:][labelled] * (rows[labelled] >= 0)
+        head = draft.lm_head(step_states[:, : width - step][labelled])
+        log_q = torch.log_softmax(head.float(), dim=-1)
+        picked = log_q.gather(-1, rows[labelled].clamp_min(0))
+        positions = labelled.sum().clamp_min(1)
         total = total + decay ** step * -(probs * picked).sum() / positions
         weights += decay ** step
     return total / weights
