@@ -349,7 +349,7 @@ class GrpcDrafter(_RoutedClient[draft_pb2_grpc.DraftStub]):
             raise DraftUnavailable(f"draft {self.endpoint} answered badly: {error}") from None
         if probs is not None and self.relay is not None:
             self.relay.put(session_id, probs, response.probs)
-        mirror.record(committed, tokens[:-1])  # the last proposal is never fed to the draft
+        mirror.record_proposal(committed, tokens)
         return Proposal(tokens, probs, time.perf_counter() - started, response.forward_seconds,
                         resyncs, request.ByteSize() + response.ByteSize(), alternatives,
                         batch=forward_batch(response.batch))

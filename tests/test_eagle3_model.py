@@ -150,3 +150,24 @@ def test_hidden_states_travel_in_the_dtype_asked(dtype: str) -> None:
     message.dtype = "int8"
     with pytest.raises(InvalidRequest, match="dtype"):
         wire.decode_hidden(message, 3, 8, "h")
+
+
+def test_a_state_reading_draft_refeeds_accepted_tokens_with_the_targets_states() -> None:
+    """Its cache keeps target-state entries for every committed position (as the
+    training-time test trains it): after a round, the next sync point starts where the
+    round started, so the accepted tokens go back in with the target's states; a
+    token-only draft keeps the tokens it fed."""
+    from specdec.core.history import HiddenStateLog, TokenHistory
+    from specdec.core.interfaces import CacheMirror
+
+    for reads_states, expected_append in ((True, [7, 8, 9, 4]), (False, [4])):
+        committed = TokenHistory([1, 2, 3])
+        if reads_states:
+            committed.target_hidden = HiddenStateLog(HiddenSpec(AUX, "float32"))
+        mirror = CacheMirror()
+        assert mirror.plan("s", committed).append == [1, 2, 3]
+        mirror.record_proposal(committed, [7, 8, 9, 5])  # 5 was proposed, never fed
+        committed.extend([7, 8, 9, 4])  # three accepted, then the target's own token
+        sync = mirror.plan("s", committed)
+        assert sync.append == expected_append
+        assert sync.committed_position == len(committed) - len(expected_append)

@@ -140,6 +140,13 @@ class CacheMirror:
     def record(self, committed: TokenHistory, speculative: list[int]) -> None:
         self.tokens = committed.tokens + speculative
 
+    def record_proposal(self, committed: TokenHistory, proposed: list[int]) -> None:
+        """After a draft call, which fed every proposed token but the last. A draft that
+        reads the target's states keeps none of them: the next call re-feeds the accepted
+        ones with the target's states, so its cache holds target-state entries for every
+        committed position, as in training (EAGLE's training-time test)."""
+        self.record(committed, [] if committed.target_hidden is not None else proposed[:-1])
+
 
 def draft_hidden_rows(committed: TokenHistory, sync: SyncPoint) -> torch.Tensor:
     """The target's states a feature draft reads with sync's catch-up tokens: the one

@@ -46,7 +46,7 @@ class LocalDrafter:
             out = draft_step(self.runner, sync, num_tokens, params, min_confidence,
                              self._hidden_for(sync, committed), num_alternatives,
                              max_alternative_depth)
-        mirror.record(committed, out.tokens[:-1])
+        mirror.record_proposal(committed, out.tokens)
         probs = None if out.probs is None else self.runner.vocab.to_target_probs(out.probs)
         return Proposal(out.tokens, probs, time.perf_counter() - started, out.forward_s, resyncs,
                         alternatives=out.alternatives)
