@@ -9,6 +9,7 @@ import json
 import queue
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,12 @@ from specdec.draft_training.stream_prompts import (
 from specdec.draft_training.train import make_draft
 from specdec.draft_training.wide_prompts import generate_wide_prompts
 from specdec.engine.runner import ModelRunner
-from tests.tiny_models import save_tiny_pair
+from tests.tiny_models import assert_speculative_greedy_equals_hf, save_tiny_pair
+
+# A run of a few seconds on the tiny models, checkpointing every second.
+QUICK_RUN = StreamSettings(time_budget_s=3.0, train_batch=2, produce_batch=3, max_new_tokens=6,
+                           top_k=4, lr=1e-3, queue_size=4, checkpoint_every_s=1.0,
+                           progress_every_s=1.0, held_out_prompts=2, held_out_tokens=4)
 
 
 @functools.cache
@@ -198,10 +204,7 @@ def test_held_out_and_bench_prompts_never_become_a_user_turn(tiny: tuple[Path, P
 def test_a_stream_run_writes_the_curve_and_the_next_run_resumes(
         tiny: tuple[Path, Path], tmp_path: Path) -> None:
     target_dir, draft_dir = tiny
-    settings = StreamSettings(time_budget_s=3.0, train_batch=2, produce_batch=3,
-                              max_new_tokens=6, top_k=4, lr=1e-3, queue_size=4,
-                              checkpoint_every_s=1.0, progress_every_s=1.0,
-                              held_out_prompts=2, held_out_tokens=4)
+    settings = QUICK_RUN
     work, out = tmp_path / "work", tmp_path / "out"
     first = stream_distill(str(target_dir), draft_dir, work, out, settings)
     assert first["progress"]["step"] > 0 and first["progress"]["tokens"] > 0
@@ -293,11 +296,7 @@ def test_an_eagle3_stream_run_writes_a_speculators_draft_and_resumes(
     from specdec.engine.eagle3_formats import directory_layout, load_eagle3, target_facts
 
     target_dir, token_draft = tiny
-    settings = StreamSettings(time_budget_s=3.0, train_batch=2, produce_batch=3,
-                              max_new_tokens=6, top_k=4, lr=1e-3, queue_size=4,
-                              checkpoint_every_s=1.0, progress_every_s=1.0,
-                              held_out_prompts=2, held_out_tokens=4, draft_kind="eagle3",
-                              ttt_steps=3, producer="target-generate")
+    settings = replace(QUICK_RUN, draft_kind="eagle3", ttt_steps=3, producer="target-generate")
     work, out = tmp_path / "work", tmp_path / "out"
     first = stream_distill(str(target_dir), token_draft, work, out, settings)
     assert first["progress"]["step"] > 0
@@ -312,7 +311,6 @@ def test_an_eagle3_stream_run_writes_a_speculators_draft_and_resumes(
     assert torch.equal(draft.model.embed_tokens.weight,  # shared, not stored
                        target.get_input_embeddings().weight.to(torch.bfloat16))
     # a draft served from out speculates exactly: greedy equals the target alone
-    from tiny_models import assert_speculative_greedy_equals_hf
     assert_speculative_greedy_equals_hf(target, target, draft.float(), lengths=(2, 4))
 
     second = stream_distill(str(target_dir), token_draft, work, out, settings)
