@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from specdec.draft_training.heldout import HeldOutSet
@@ -245,8 +245,3 @@ def measure_eagle3_agreement(draft: Eagle3DraftForCausalLM, target: PreTrainedMo
             "positions": counted[0], "top1_by_step": [round(x, 4) for x in top1],
             "expected_by_step": [round(x, 4) for x in expected]}
 
-
-def check_llama_target(config: LlamaConfig) -> None:
-    if getattr(config, "model_type", "") not in ("llama",):
-        raise ValueError(f"an EAGLE-3 draft is made here for Llama-family targets; this "
-                         f"target is {getattr(config, 'model_type', '?')!r}")

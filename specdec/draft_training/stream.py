@@ -262,9 +262,8 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     else:
         target.to(device)  # type: ignore[arg-type]  # transformers' .to stub
         target.eval()
-    eagle3 = settings.draft_kind == "eagle3"
     draft: LlamaForCausalLM
-    if eagle3:
+    if settings.draft_kind == "eagle3":
         draft = load_or_make_eagle3(init_draft, target_dir, target)
         token_map = draft_token_map(draft)
     else:
@@ -328,8 +327,8 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
             progress.trained_tokens += sum(len(r["new_ids"]) for r, _ in batch)
             for group in optimizer.param_groups:
                 group["lr"] = _lr(settings, progress.step, time.monotonic() - run_started)
-            loss = (eagle3_loss(draft, [r for r, _ in batch], draft_rows,  # type: ignore[arg-type]
-                                settings.ttt_steps) if eagle3
+            loss = (eagle3_loss(draft, [r for r, _ in batch], draft_rows, settings.ttt_steps)
+                    if isinstance(draft, Eagle3DraftForCausalLM)
                     else _loss(draft, [r for r, _ in batch], input_map, unk_row))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -371,8 +370,8 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
         _write_eagle3(draft, out_dir, curve, target)
     else:
         _write_draft(draft, token_map, out_dir, curve)
-    if not eagle3 and (init_draft / "README.md").exists():  # the starting card + this stage
-        write_stream_card(out_dir, init_draft / "README.md", summary)
+        if (init_draft / "README.md").exists():  # the starting draft's card, this stage added
+            write_stream_card(out_dir, init_draft / "README.md", summary)
     return summary
 
 
