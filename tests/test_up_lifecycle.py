@@ -3,6 +3,7 @@ does, and a second `up` on the same ports fails at once instead of claiming "rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -50,25 +52,57 @@ def wait_ready(process: subprocess.Popen[str]) -> tuple[list[str], dict[str, int
     return lines, pids
 
 
-def alive(pid: int) -> bool:
+def start_ticks(pid: int) -> str:
+    """When a process started (field 22 of /proc/PID/stat), or "" once it is gone.
+
+    A pid is reused once the kernel's counter wraps (32768 on many hosts, reached in
+    seconds by a parallel test run's threads), so a pid alone does not name a process."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie nobody reaped yet has exited
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def alive(pid: int, started: str) -> bool:
+    """The process that started at `started` still runs (a zombie has exited)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return False
+    return fields[0] != "Z" and fields[19] == started
 
 
-def wait_gone(pids: dict[str, int], timeout_s: float = 60.0) -> list[str]:
+class Child(NamedTuple):
+    pid: int
+    started: str  # start_ticks(pid) while it ran
+
+
+def children(pids: dict[str, int]) -> dict[str, Child]:
+    return {role: Child(pid, start_ticks(pid)) for role, pid in pids.items()}
+
+
+def wait_gone(running: dict[str, Child], timeout_s: float = 60.0) -> list[str]:
+    """The roles still running after timeout_s."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        left = [role for role, pid in pids.items() if alive(pid)]
-        if not left:
-            return []
+    while True:
+        left = [role for role, child in running.items() if alive(*child)]
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.2)
-    return [role for role, pid in pids.items() if alive(pid)]
+
+
+def stuck_report(left: list[str], running: dict[str, Child], log_dir: Path) -> str:
+    """What a child that outlived its stop was doing: its threads and its log's end."""
+    report = []
+    for role in left:
+        tasks = Path(f"/proc/{running[role].pid}/task")
+        with contextlib.suppress(OSError):
+            names = sorted((task / "comm").read_text().strip() for task in tasks.iterdir())
+            report.append(f"{role} threads: {names}")
+        with contextlib.suppress(OSError):
+            lines = (log_dir / f"{role}.log").read_text(errors="replace").splitlines()
+            report.append(f"{role}.log ends:\n" + "\n".join(lines[-20:]))
+    return "\n".join(report)
 
 
 def bindable(port: int) -> bool:
@@ -94,27 +128,28 @@ def free_ports() -> tuple[dict[str, int], int]:
 
 @pytest.fixture
 def stack(tiny_pair: tuple[Path, Path], tmp_path: Path
-          ) -> Iterator[tuple[subprocess.Popen[str], dict[str, int], int, dict[str, int]]]:
+          ) -> Iterator[tuple[subprocess.Popen[str], dict[str, int], int, dict[str, Child]]]:
     ports, metrics = free_ports()
     process = subprocess.Popen(up_command(tiny_pair, ports, metrics, tmp_path / "logs"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=ENV)
     try:
         _, pids = wait_ready(process)
-        yield process, ports, metrics, pids
+        running = children(pids)
+        yield process, ports, metrics, running
     finally:
         if process.poll() is None:
             process.kill()
         process.wait(timeout=60)
-        for pid in pids.values() if "pids" in locals() else ():
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for child in running.values() if "running" in locals() else ():
+            if alive(*child):
+                os.kill(child.pid, signal.SIGKILL)
 
 
 def test_sighup_stops_every_child_and_frees_the_ports(
-        stack: tuple[subprocess.Popen[str], dict[str, int], int, dict[str, int]],
+        stack: tuple[subprocess.Popen[str], dict[str, int], int, dict[str, Child]],
         tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
-    process, ports, metrics, pids = stack
+    process, ports, metrics, running = stack
     # A second `up` on the same ports: an error naming the port, before loading anything.
     started = time.monotonic()
     second = subprocess.run(up_command(tiny_pair, ports, metrics, tmp_path / "second"),
@@ -123,7 +158,7 @@ def test_sighup_stops_every_child_and_frees_the_ports(
     assert "ready" not in second.stdout
     assert f"coordinator gRPC port {ports['coordinator']} on 127.0.0.1 is in use" in \
         second.stderr
-    assert f"pid {pids['coordinator']}" in second.stderr  # who holds it
+    assert f"pid {running['coordinator'].pid}" in second.stderr  # who holds it
     assert len(second.stderr.strip().splitlines()) == 1 and "Traceback" not in second.stderr
     assert time.monotonic() - started < 60  # no model was loaded: far under a stack's start
     assert not (tmp_path / "second").exists()
@@ -131,17 +166,20 @@ def test_sighup_stops_every_child_and_frees_the_ports(
     # A closed terminal: SIGHUP to `up` only.
     process.send_signal(signal.SIGHUP)
     process.wait(timeout=120)
-    assert wait_gone(pids) == []
+    left = wait_gone(running)
+    assert left == [], stuck_report(left, running, tmp_path / "logs")
     used = [*ports.values(), metrics, metrics + 1, metrics + 2]
     assert [port for port in used if not bindable(port)] == []
 
 
 def test_children_stop_when_up_is_killed_outright(
-        stack: tuple[subprocess.Popen[str], dict[str, int], int, dict[str, int]]) -> None:
-    process, ports, _, pids = stack
+        stack: tuple[subprocess.Popen[str], dict[str, int], int, dict[str, Child]],
+        tmp_path: Path) -> None:
+    process, ports, _, running = stack
     process.kill()  # SIGKILL: no handler of `up` runs; the kernel's PR_SET_PDEATHSIG does
     process.wait(timeout=60)
-    assert wait_gone(pids) == []
+    left = wait_gone(running)
+    assert left == [], stuck_report(left, running, tmp_path / "logs")
     assert [port for port in ports.values() if not bindable(port)] == []
 
 
