@@ -24,8 +24,11 @@ from specdec.core.adaptive import (
     shared_rate,
 )
 from specdec.core.interfaces import ALONE, ForwardBatch, Proposal, Verification
-from specdec.core.loop import GenerateConfig, generate
+from specdec.core.loop import GenerateConfig, _suffix_offer, generate
 from specdec.core.policy import FixedLength
+from specdec.core.sampling import SamplingParams
+from specdec.core.suffix_cache import SuffixDraft
+from specdec.core.suffix_proposer import SuffixEvidence, SuffixProposer
 from specdec.core.tree_acceptance import Alternatives
 from specdec.engine.local import LocalDrafter, LocalVerifier
 from specdec.engine.runner import ModelRunner
@@ -350,6 +353,29 @@ def test_speculation_stops_when_rows_dominate_the_forward_and_resumes_as_load_fa
     assert policy.load_limited_rounds > 0
     simulate_load(policy, clock, 0.7, 1, 120, draft_s, fixed_s, per_row_s, seed=2)
     assert Counter(policy.chosen[-40:]).most_common(1)[0][0] > 0  # drafting again
+
+
+def test_a_model_free_proposal_pays_for_the_rows_it_adds_to_a_shared_forward() -> None:
+    """A suffix draft costs no draft forward, but under load each of its rows lengthens
+    the forward every other session waits for: a weak one that beats the draft's round
+    alone is declined when many sessions share a row-bound forward."""
+    draft_s, fixed_s, per_row_s = 0.004, 0.030, 0.003
+    weak = SuffixDraft(tokens=tuple(range(8)), parents=(-1, 0, 1, 2, 3, 4, 5, 6),
+                       probs=(0.3,) * 8, match_length=2)
+    proposer, evidence = SuffixProposer(16, 8), SuffixEvidence(prior=1.0)
+    clock = FakeClock()
+    policy = AdaptiveLength(4, 8, clock=clock, costs=CostModel(), decay=0.98)
+    simulate_load(policy, clock, 0.7, 1, 120, draft_s, fixed_s, per_row_s)
+    asked = policy.next_length()
+    assert asked > 0
+    alone = _suffix_offer(weak, proposer, evidence, policy, asked, SamplingParams())
+    assert alone is not None and alone.proposal.tokens == list(range(8))
+    simulate_load(policy, clock, 0.7, 48, 120, draft_s, fixed_s, per_row_s, seed=1)
+    asked = policy.next_length()
+    assert asked == 0  # target-only rounds for the draft, as the row cost says
+    own_rate = evidence.expected_tokens(weak, 1) / policy.costs.round_seconds(1, drafted=False)
+    assert own_rate > policy.rate(0)  # by its own rate alone, it would still be taken
+    assert _suffix_offer(weak, proposer, evidence, policy, asked, SamplingParams()) is None
 
 
 def test_alternatives_turn_off_under_load_and_stay_on_alone() -> None:

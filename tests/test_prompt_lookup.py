@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from exact_law import chi_square_pvalue, target_law
@@ -135,18 +137,23 @@ def test_evidence_counts_the_lookup_tokens_the_target_emitted() -> None:
 
 def test_evidence_chooses_the_fastest_length_or_the_draft() -> None:
     evidence = LookupEvidence(max_tokens=4, prior=0.5, prior_strength=2.0)
-    flat = {length: 1.0 for length in range(5)}
+
+    def priced(seconds: dict[int, float]) -> Callable[[int, float], float | None]:
+        return lambda length, expected: (expected / seconds[length] if length in seconds
+                                         else None)
+
+    flat = priced({length: 1.0 for length in range(5)})
     # Without prices (a fixed policy) every token found is verified.
-    assert evidence.tokens_to_use(3, flat.get, None) == 3
+    assert evidence.tokens_to_use(3, flat, None) == (3, None)
     # Verification costs the same for any length: the longest emits most.
-    assert evidence.tokens_to_use(3, flat.get, rival_rate=1.0) == 3
+    assert evidence.tokens_to_use(3, flat, rival=1.0) == (3, evidence.expected_tokens(3))
     # A round of 2 costs 3x one of 1: 1.5 tokens/s beats 1.75 / 3.
-    steep = {1: 1.0, 2: 3.0, 3: 3.0}
-    assert evidence.tokens_to_use(3, steep.get, rival_rate=1.0) == 1
+    steep = priced({1: 1.0, 2: 3.0, 3: 3.0})
+    assert evidence.tokens_to_use(3, steep, rival=1.0) == (1, 1.5)
     # The draft's round is expected to be faster than any lookup length: no lookup.
-    assert evidence.tokens_to_use(3, flat.get, rival_rate=2.0) == 0
-    # A length not costed yet: no basis to choose, so all of them.
-    assert evidence.tokens_to_use(3, {1: 1.0}.get, rival_rate=1.0) == 3
+    assert evidence.tokens_to_use(3, flat, rival=2.0) == (0, None)
+    # A length not priced yet: no basis to choose, so all of them.
+    assert evidence.tokens_to_use(3, priced({1: 1.0}), rival=1.0) == (3, None)
 
 
 class PricedPolicy(FixedLength):
@@ -158,11 +165,11 @@ class PricedPolicy(FixedLength):
         self.draft_rate = draft_rate
         self.lookup_seconds = lookup_seconds
 
-    def rate(self, k: int) -> float | None:
+    def value(self, k: int) -> float | None:
         return self.draft_rate
 
-    def undrafted_round_seconds(self, k: int) -> float | None:
-        return self.lookup_seconds.get(k, 100.0)
+    def undrafted_value(self, k: int, expected_tokens: float) -> float | None:
+        return expected_tokens / self.lookup_seconds.get(k, 100.0)
 
 
 @pytest.mark.parametrize("draft_rate, lookup_seconds, lookup_lengths", [

@@ -174,11 +174,14 @@ def test_evidence_compares_scores_with_what_the_target_kept() -> None:
     evidence.observe(draft, [3, 5, 0])  # scored 1 + 0.5 + 0.5 + 0.5 (all judged), kept 2
     assert evidence.calibration == pytest.approx((0.5 + 2) / (1 + 2.5))
     assert evidence.expected_tokens(draft, 1) == pytest.approx(1 + evidence.calibration)
-    flat = {n: 1.0 for n in range(1, 9)}
-    assert evidence.nodes_to_use(draft, flat.get, None) == (len(draft), None)
-    nodes, rate = evidence.nodes_to_use(draft, flat.get, rival_rate=1.0)
-    assert nodes == len(draft) and rate == pytest.approx(evidence.expected_tokens(draft, nodes))
-    assert evidence.nodes_to_use(draft, flat.get, rival_rate=100.0) == (0, None)
+
+    def flat(nodes: int, expected: float) -> float:  # every round costs one second
+        return expected
+
+    assert evidence.nodes_to_use(draft, flat, None) == (len(draft), None)
+    nodes, value = evidence.nodes_to_use(draft, flat, rival=1.0)
+    assert nodes == len(draft) and value == pytest.approx(evidence.expected_tokens(draft, nodes))
+    assert evidence.nodes_to_use(draft, flat, rival=100.0) == (0, None)
 
 
 # -- deterministic siblings: accept x_r with p_r(x_r), else remove x_r -------------------

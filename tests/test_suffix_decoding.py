@@ -221,10 +221,10 @@ class _SharedForwardPolicy:
     def next_length(self) -> int:
         return 2
 
-    def rate(self, k: int) -> float | None:
+    def value(self, k: int) -> float | None:
         return None
 
-    def undrafted_round_seconds(self, k: int) -> float | None:
+    def undrafted_value(self, k: int, expected_tokens: float) -> float | None:
         return None
 
     def next_alternatives(self, limit: int) -> int:

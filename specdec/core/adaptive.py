@@ -353,10 +353,6 @@ class AdaptiveLength:
         seconds = self.costs.round_seconds(k)
         return self.expected_tokens(k) / seconds if seconds is not None and seconds > 0 else None
 
-    def undrafted_round_seconds(self, k: int) -> float | None:
-        """A round verifying k tokens that did not come from the draft model."""
-        return self.costs.round_seconds(k, drafted=False)
-
     def shared_value(self, k: int, expected: float | None = None,
                      alternatives: int = 0) -> float | None:
         """Tokens per second the deployment gains from a round drafting k under the
@@ -365,14 +361,29 @@ class AdaptiveLength:
         if seconds is None or seconds <= 0:
             return None
         tokens = self.expected_tokens(k) if expected is None else expected
+        return self._round_value(tokens, seconds, k + 1 + alternatives)
+
+    def value(self, k: int) -> float | None:
+        return self.shared_value(k)
+
+    def undrafted_value(self, k: int, expected_tokens: float) -> float | None:
+        """shared_value of a round verifying k tokens that did not come from the draft
+        model (no Propose wait)."""
+        seconds = self.costs.round_seconds(k, drafted=False)
+        if seconds is None or seconds <= 0:
+            return None
+        return self._round_value(expected_tokens, seconds, k + 1)
+
+    def _round_value(self, tokens: float, seconds: float, rows: int) -> float:
+        """A round's own rate alone; under load, shared_rate with the others' rows."""
         if self.load.alone:
             return tokens / seconds
         per_row = self.costs.per_row_seconds()
         shared = per_row * self.load.other_rows
         reference_s = (self.costs.round_seconds(self._reference) or seconds) + shared
         others_rate = self.expected_tokens(self._reference) / reference_s
-        return shared_rate(tokens, seconds + shared, k + 1 + alternatives, self.load,
-                           per_row, others_rate, reference_s)
+        return shared_rate(tokens, seconds + shared, rows, self.load, per_row, others_rate,
+                           reference_s)
 
     def shared_values(self) -> dict[int, float]:
         out: dict[int, float] = {}

@@ -125,16 +125,14 @@ class _Offer:
 def _lookup_offer(found: Proposal, evidence: LookupEvidence,
                   policy: LengthPolicy, asked: int) -> _Offer | None:
     """The lookup hit, cut to its best length, or None when the draft's round (or, with
-    the draft off, a target-only round) is expected to emit tokens faster."""
+    the draft off, a target-only round) is expected to be worth more."""
     if not isinstance(policy, CostedPolicy):
         return _Offer(found, evidence.expected_tokens(len(found.tokens)))
-    keep = evidence.tokens_to_use(len(found.tokens), policy.undrafted_round_seconds,
-                                  policy.rate(asked))
+    keep, value = evidence.tokens_to_use(len(found.tokens), policy.undrafted_value,
+                                         policy.value(asked))
     if keep == 0:
         return None
-    seconds = policy.undrafted_round_seconds(keep)
-    expected = evidence.expected_tokens(keep)
-    value = expected / seconds if seconds else expected
+    value = value if value is not None else evidence.expected_tokens(keep)
     if keep == len(found.tokens):
         return _Offer(found, value)
     return _Offer(dataclasses.replace(
@@ -145,17 +143,16 @@ def _lookup_offer(found: Proposal, evidence: LookupEvidence,
 def _suffix_offer(draft: SuffixDraft, suffix: SuffixProposer, evidence: SuffixEvidence,
                   policy: LengthPolicy, asked: int, params: SamplingParams) -> _Offer | None:
     """The suffix draft, cut to its best node count (a prefix of its best-first order is
-    a tree), or None when the draft's round is expected to emit tokens faster. When other
+    a tree), or None when the draft's round is expected to be worth more. When other
     sessions share the forward it is cut to its first path, as the draft's trees are."""
     if isinstance(policy, AlternativesPolicy) and policy.shares_forward():
         draft = draft.chain()
     if not isinstance(policy, CostedPolicy):
         return _Offer(suffix.proposal(draft, params), evidence.expected_tokens(draft, len(draft)))
-    nodes, rate = evidence.nodes_to_use(draft, policy.undrafted_round_seconds,
-                                        policy.rate(asked))
+    nodes, value = evidence.nodes_to_use(draft, policy.undrafted_value, policy.value(asked))
     if nodes == 0:
         return None
-    value = rate if rate is not None else evidence.expected_tokens(draft, nodes)
+    value = value if value is not None else evidence.expected_tokens(draft, nodes)
     return _Offer(suffix.proposal(draft.cut(nodes), params), value)
 
 

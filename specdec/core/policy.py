@@ -21,14 +21,20 @@ class LengthPolicy(Protocol):
 @runtime_checkable
 class CostedPolicy(Protocol):
     """A policy that can price a round (AdaptiveLength): the loop then uses a prompt
-    lookup hit only when it is expected to beat the draft's round."""
+    lookup hit or a suffix draft only when it is expected to beat the draft's round.
 
-    def rate(self, k: int) -> float | None:
-        """Expected tokens per second of a round drafting k (None: not known yet)."""
+    A round's value is the output tokens per second it adds to the deployment: alone,
+    the session's own expected tokens over the round's seconds; when other sessions
+    share the forward, less what its rows cost them (each row lengthens the forward all
+    of them wait for)."""
+
+    def value(self, k: int) -> float | None:
+        """The value of a round drafting k tokens (None: not known yet)."""
         ...
 
-    def undrafted_round_seconds(self, k: int) -> float | None:
-        """Seconds of a round verifying k tokens proposed without the draft model."""
+    def undrafted_value(self, k: int, expected_tokens: float) -> float | None:
+        """The value of a round verifying k tokens proposed without the draft model
+        (prompt lookup, suffix cache) that is expected to emit expected_tokens."""
         ...
 
 

@@ -124,19 +124,20 @@ class LookupEvidence:
         """Tokens a round verifying the first `length` lookup tokens emits on average."""
         return self.chain.expected_tokens(length, self.prior, self.prior_strength)
 
-    def tokens_to_use(self, available: int, round_seconds: Callable[[int], float | None],
-                      rival_rate: float | None) -> int:
-        """How many of `available` lookup tokens to verify: the length with the best
-        expected tokens per second, or 0 when the draft's round (rival_rate, tokens/s) is
-        expected to be faster. Without costs (None) all of them, as a fixed policy does."""
-        if rival_rate is None:
-            return available
-        best_length, best_rate = 0, rival_rate
+    def tokens_to_use(self, available: int,
+                      value: Callable[[int, float], float | None],
+                      rival: float | None) -> tuple[int, float | None]:
+        """(lookup tokens to verify of `available`, that round's value): the length with
+        the best value (value(length, expected tokens), tokens/s), or 0 when the draft's
+        round (rival) is expected to be worth more. Without prices (rival None, or a
+        length not priced yet) all of them, valued None."""
+        if rival is None:
+            return available, None
+        best_length, best_value = 0, rival
         for length in range(1, available + 1):
-            seconds = round_seconds(length)
-            if seconds is None or seconds <= 0:
-                return available
-            rate = self.expected_tokens(length) / seconds
-            if rate > best_rate:
-                best_length, best_rate = length, rate
-        return best_length
+            worth = value(length, self.expected_tokens(length))
+            if worth is None:
+                return available, None
+            if worth > best_value:
+                best_length, best_value = length, worth
+        return best_length, best_value if best_length else None

@@ -116,22 +116,22 @@ class SuffixEvidence:
         """Tokens a round verifying the draft's first `nodes` nodes emits on average."""
         return 1.0 + self.calibration * sum(draft.probs[:nodes])
 
-    def nodes_to_use(self, draft: SuffixDraft, round_seconds: Callable[[int], float | None],
-                     rival_rate: float | None) -> tuple[int, float | None]:
-        """(nodes of the draft to verify, their expected tokens per second): the count
-        with the best rate, or 0 when rival_rate (tokens/s) is expected to be faster.
-        Without costs all of them, rated None."""
-        if rival_rate is None:
+    def nodes_to_use(self, draft: SuffixDraft, value: Callable[[int, float], float | None],
+                     rival: float | None) -> tuple[int, float | None]:
+        """(nodes of the draft to verify, that round's value): the count with the best
+        value (value(nodes, expected tokens), tokens/s), or 0 when the draft model's
+        round (rival) is expected to be worth more. Without prices all of them, valued
+        None."""
+        if rival is None:
             return len(draft), None
-        best_nodes, best_rate = 0, rival_rate
+        best_nodes, best_value = 0, rival
         for nodes in range(1, len(draft) + 1):
-            seconds = round_seconds(nodes)
-            if seconds is None or seconds <= 0:
+            worth = value(nodes, self.expected_tokens(draft, nodes))
+            if worth is None:
                 return len(draft), None
-            rate = self.expected_tokens(draft, nodes) / seconds
-            if rate > best_rate:
-                best_nodes, best_rate = nodes, rate
-        return best_nodes, best_rate if best_nodes else None
+            if worth > best_value:
+                best_nodes, best_value = nodes, worth
+        return best_nodes, best_value if best_nodes else None
 
 
 @dataclass
