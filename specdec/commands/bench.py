@@ -103,6 +103,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--load-modes", default=",".join(DEFAULT_LOAD_MODES),
                         help="with --concurrency: the modes run at each level (target-only, "
                         "k=N, adaptive; +aN: a token tree of up to N alternatives, +a0 a chain)")
+    parser.add_argument("--requests-per-client", type=int, default=1, metavar="N",
+                        help="with --concurrency: at least N requests per client at each "
+                        "level, mode and workload (default 1: one wave, each prompt once), "
+                        "so a level's throughput is not its slowest request's")
     parser.add_argument("--endpoint", default="",
                         help="with --concurrency: a running coordinator (host:port) instead "
                         "of a stack started for the run")
@@ -282,7 +286,11 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
         raise ValueError(f"with --concurrency, --modes names one sampling mode ({', '.join(MODES)}"
                          f"), got {args.modes!r}")
     mode = MODES[sampling[0]]
+    if args.requests_per_client < 1:
+        raise ValueError(f"--requests-per-client must be at least 1, got "
+                         f"{args.requests_per_client}")
     settings = LoadSettings(levels, _csv(args.load_modes), max_new_tokens=max_new_tokens,
+                            min_rounds=args.requests_per_client,
                             progress=not args.no_progress, temperature=mode.temperature,
                             top_p=mode.top_p)
     stack = None
