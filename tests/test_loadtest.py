@@ -154,3 +154,13 @@ def test_a_prompt_without_token_ids_goes_as_chat_text() -> None:
     by_ids = request_for(mode, PROMPTS[0], 8)
     assert list(by_ids.prompt_token_ids) == PROMPTS[0].token_ids and not by_ids.prompt
     assert by_ids.speculation.adaptive and by_ids.max_new_tokens == 8
+
+
+def test_requests_per_client_below_one_is_refused_before_anything_starts() -> None:
+    from specdec.cli import build_parser
+    from specdec.commands.bench import run_load_command
+
+    args = build_parser("bench").parse_args(
+        ["bench", "--concurrency", "8", "--requests-per-client", "0"])
+    with pytest.raises(ValueError, match="--requests-per-client must be at least 1, got 0"):
+        run_load_command(args, "")

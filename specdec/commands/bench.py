@@ -264,6 +264,9 @@ def _measure(args: argparse.Namespace) -> int:
 
 def run_load_command(args: argparse.Namespace, command: str) -> int:
     """`specdec bench --concurrency ...`: the load test (specdec.bench.load)."""
+    if args.requests_per_client < 1:
+        raise ValueError(f"--requests-per-client must be at least 1, got "
+                         f"{args.requests_per_client}")
     import grpc
 
     from specdec.bench.harness import machine_info
@@ -286,9 +289,6 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
         raise ValueError(f"with --concurrency, --modes names one sampling mode ({', '.join(MODES)}"
                          f"), got {args.modes!r}")
     mode = MODES[sampling[0]]
-    if args.requests_per_client < 1:
-        raise ValueError(f"--requests-per-client must be at least 1, got "
-                         f"{args.requests_per_client}")
     settings = LoadSettings(levels, _csv(args.load_modes), max_new_tokens=max_new_tokens,
                             min_rounds=args.requests_per_client,
                             progress=not args.no_progress, temperature=mode.temperature,
