@@ -198,3 +198,20 @@ def test_last_error_line_finds_the_cause(tmp_path: Path) -> None:
     log.write_text("loading\nTraceback (most recent call last):\n  File x\n"
                    "RuntimeError: coordinator: cannot serve metrics on 127.0.0.1:9464\n")
     assert last_error_line(log).startswith("RuntimeError: coordinator: cannot serve metrics")
+
+
+def test_a_stop_that_hangs_ends_at_its_deadline_with_the_threads_logged() -> None:
+    # A non-daemon thread that never ends holds the interpreter's exit forever.
+    code = ("import threading, time\n"
+            "from specdec.serving.grpc_server import exit_if_still_running\n"
+            "def stuck_worker():\n"
+            "    time.sleep(3600)\n"
+            "threading.Thread(target=stuck_worker).start()\n"
+            "exit_if_still_running(2.0)\n")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env=ENV)
+    assert result.returncode == 1, result.stderr
+    assert time.monotonic() - started < 30
+    assert "still running 2 s after the stop began" in result.stderr, result.stderr
+    assert "in stuck_worker" in result.stderr and "in _shutdown" in result.stderr

@@ -10,6 +10,10 @@ import sys
 
 from specdec.config import DEFAULT_PORTS, add_serve_arguments
 
+# A stopping service exits at most this long after its graceful-stop period: its stop
+# hooks close channels and flush spans, which take well under it.
+STOP_DEADLINE_MARGIN_S = 20.0
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="run one service in the foreground")
@@ -36,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
               else create(args, telemetry=telemetry, executor=work))
     print(f"{args.role} serving on {handle.address}", flush=True)
     announce_ready(handle.address)  # for a parent `specdec up`: this process is serving
-    serve_until_signal(handle, args.grace_s, work)
+    serve_until_signal(handle, args.grace_s, work,
+                       exit_deadline_s=args.grace_s + STOP_DEADLINE_MARGIN_S)
     # Stopped: flush the last spans and skip the interpreter's teardown of torch and
     # transformers, which on a busy host can outlast a supervisor's stop timeout.
     telemetry.flush()

@@ -9,8 +9,11 @@ reflection, interceptors, graceful stop. Draft, target and coordinator all go th
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -174,11 +177,14 @@ def _add_port(server: grpc.Server, bind: str,
 
 
 def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0,
-                       work: MainThreadExecutor | None = None) -> None:
+                       work: MainThreadExecutor | None = None,
+                       exit_deadline_s: float | None = None) -> None:
     """Block until SIGINT/SIGTERM (or the server stops), then stop gracefully.
 
     work: the main thread's queue of model work (specdec.serving.compute); the main thread runs
-    it while serving, and while the server drains, since in-flight calls wait on it."""
+    it while serving, and while the server drains, since in-flight calls wait on it.
+    exit_deadline_s: for a process that serves only this (`specdec serve`), exit with
+    status 1 if it still runs this long after the stop began (exit_if_still_running)."""
     work = work or MainThreadExecutor()  # nothing queued: the main thread only waits
     stop = threading.Event()
 
@@ -190,12 +196,34 @@ def serve_until_signal(handle: ServerHandle, grace_s: float = 5.0,
     try:
         work.run_until(lambda: stop.is_set() or handle._stopped)
     finally:
+        if exit_deadline_s is not None:
+            exit_if_still_running(exit_deadline_s)
         stopping = threading.Thread(target=handle.stop, args=(grace_s,), name="stop")
         stopping.start()
         work.run_until(lambda: not stopping.is_alive())
         stopping.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def exit_if_still_running(after_s: float) -> None:
+    """Exit the process with status 1 if it is still running after_s from now, first
+    writing every thread's stack to stderr (the service's log).
+
+    A stop that waits on a thread that never ends would otherwise keep the process, and
+    its port, forever; a child of `specdec up` whose parent died has nobody to SIGKILL
+    it. The timer is a daemon thread, so it also fires while the interpreter's exit
+    waits for other threads."""
+
+    def expire() -> None:
+        time.sleep(after_s)
+        log.error("still running %.0f s after the stop began: exiting; the threads were:",
+                  after_s)
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=expire, name="stop-deadline", daemon=True).start()
 
 
 def check_health(endpoint: str, service: str = "", timeout_s: float = 1.0,
