@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from specdec.core.interfaces import Proposal, Verification
@@ -36,6 +37,25 @@ class CostedPolicy(Protocol):
         """The value of a round verifying k tokens proposed without the draft model
         (prompt lookup, suffix cache) that is expected to emit expected_tokens."""
         ...
+
+
+def best_undrafted_length(available: int, expected_tokens: Callable[[int], float],
+                          value: Callable[[int, float], float | None],
+                          rival: float | None) -> tuple[int, float | None]:
+    """(tokens of a model-free proposal to verify, of `available`, and that round's value):
+    the length n whose round is worth most, value(n, expected_tokens(n)) (a CostedPolicy's
+    undrafted_value), or 0 when the draft's round (rival) is worth more. Without prices
+    (rival None, or a length not priced yet) all of them, valued None."""
+    if rival is None:
+        return available, None
+    best_length, best_value = 0, rival
+    for length in range(1, available + 1):
+        worth = value(length, expected_tokens(length))
+        if worth is None:
+            return available, None
+        if worth > best_value:
+            best_length, best_value = length, worth
+    return best_length, best_value if best_length else None
 
 
 @runtime_checkable

@@ -26,6 +26,7 @@ import torch
 from specdec.core.acceptance import ChainAcceptance
 from specdec.core.history import TokenHistory
 from specdec.core.interfaces import Proposal
+from specdec.core.policy import best_undrafted_length
 from specdec.core.sampling import SamplingParams
 from specdec.core.stats import PROMPT_LOOKUP
 from specdec.settings import default
@@ -127,17 +128,5 @@ class LookupEvidence:
     def tokens_to_use(self, available: int,
                       value: Callable[[int, float], float | None],
                       rival: float | None) -> tuple[int, float | None]:
-        """(lookup tokens to verify of `available`, that round's value): the length with
-        the best value (value(length, expected tokens), tokens/s), or 0 when the draft's
-        round (rival) is expected to be worth more. Without prices (rival None, or a
-        length not priced yet) all of them, valued None."""
-        if rival is None:
-            return available, None
-        best_length, best_value = 0, rival
-        for length in range(1, available + 1):
-            worth = value(length, self.expected_tokens(length))
-            if worth is None:
-                return available, None
-            if worth > best_value:
-                best_length, best_value = length, worth
-        return best_length, best_value if best_length else None
+        """best_undrafted_length over the lookup's first tokens."""
+        return best_undrafted_length(available, self.expected_tokens, value, rival)

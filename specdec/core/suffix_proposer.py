@@ -24,6 +24,7 @@ import torch
 
 from specdec.core.history import TokenHistory
 from specdec.core.interfaces import Proposal
+from specdec.core.policy import best_undrafted_length
 from specdec.core.sampling import SamplingParams
 from specdec.core.stats import SUFFIX
 from specdec.core.suffix_cache import (
@@ -118,20 +119,10 @@ class SuffixEvidence:
 
     def nodes_to_use(self, draft: SuffixDraft, value: Callable[[int, float], float | None],
                      rival: float | None) -> tuple[int, float | None]:
-        """(nodes of the draft to verify, that round's value): the count with the best
-        value (value(nodes, expected tokens), tokens/s), or 0 when the draft model's
-        round (rival) is expected to be worth more. Without prices all of them, valued
-        None."""
-        if rival is None:
-            return len(draft), None
-        best_nodes, best_value = 0, rival
-        for nodes in range(1, len(draft) + 1):
-            worth = value(nodes, self.expected_tokens(draft, nodes))
-            if worth is None:
-                return len(draft), None
-            if worth > best_value:
-                best_nodes, best_value = nodes, worth
-        return best_nodes, best_value if best_nodes else None
+        """best_undrafted_length over the draft's nodes in best-first order (every prefix
+        is a tree)."""
+        return best_undrafted_length(len(draft), lambda nodes: self.expected_tokens(draft, nodes),
+                                     value, rival)
 
 
 @dataclass
