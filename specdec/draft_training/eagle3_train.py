@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 
 from specdec.draft_training.heldout import HeldOutSet
 from specdec.draft_training.producers import target_aux_states
-from specdec.draft_training.train import Record
+from specdec.draft_training.train import Record, right_pad
 from specdec.engine.eagle3 import (
     Eagle3DraftForCausalLM,
     Eagle3Settings,
@@ -161,16 +161,9 @@ def ttt_states(draft: Eagle3DraftForCausalLM, ids: torch.Tensor, aux_states: tor
 
 def _batch_tensors(batch: list[Record], device: torch.device
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    sequences = [torch.cat([r["prompt_ids"], r["new_ids"]]).long() for r in batch]
-    width = max(len(s) for s in sequences)
-    fused_width = int(batch[0]["aux_states"].shape[-1])
-    ids = torch.zeros((len(batch), width), dtype=torch.long)
-    aux = torch.zeros((len(batch), width, fused_width), dtype=batch[0]["aux_states"].dtype)
-    for row, (sequence, record) in enumerate(zip(sequences, batch, strict=True)):
-        ids[row, : len(sequence)] = sequence
-        aux[row, : len(sequence)] = record["aux_states"]
-    lengths = torch.tensor([len(s) for s in sequences])
-    return ids.to(device), aux.to(device), lengths.to(device)
+    ids, mask = right_pad([torch.cat([r["prompt_ids"], r["new_ids"]]).long() for r in batch])
+    aux, _ = right_pad([r["aux_states"] for r in batch])
+    return ids.to(device), aux.to(device), mask.sum(1).to(device)
 
 
 def eagle3_loss(draft: Eagle3DraftForCausalLM, batch: list[Record], draft_rows: torch.Tensor,

@@ -29,7 +29,7 @@ from transformers import LlamaForCausalLM, PreTrainedModel
 
 from specdec.core.history import TokenHistory
 from specdec.draft_training.stream_prompts import Context
-from specdec.draft_training.train import Record
+from specdec.draft_training.train import Record, right_pad
 from specdec.engine.extend import ExtendRequest
 from specdec.engine.hidden_states import decoder_layers
 from specdec.engine.runner import ModelRunner
@@ -96,12 +96,7 @@ def score(target: PreTrainedModel, prompts: list[list[int]], answers: list[list[
     for begin in range(0, len(prompts), chunk):
         part_prompts, part_answers = prompts[begin: begin + chunk], answers[begin: begin + chunk]
         sequences = [p + a for p, a in zip(part_prompts, part_answers, strict=True)]
-        width = max(len(s) for s in sequences)
-        ids = torch.zeros((len(sequences), width), dtype=torch.long)
-        mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            ids[row, : len(sequence)] = torch.tensor(sequence)
-            mask[row, : len(sequence)] = 1
+        ids, mask = right_pad([torch.tensor(s, dtype=torch.long) for s in sequences])
         with torch.inference_mode():
             hidden, states = target_aux_states(target, state_layers, ids.to(device),
                                                mask.to(device))

@@ -13,6 +13,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,15 +100,21 @@ def _batches(records: list[Record], batch_size: int, rng: random.Random) -> list
     return batches
 
 
+def right_pad(sequences: Sequence[torch.Tensor], pad: float = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences stacked along a new first dimension, right-padded with `pad` to the
+    longest, and the attention mask [B, width] (1 on real positions, int64)."""
+    padded = torch.nn.utils.rnn.pad_sequence(list(sequences), batch_first=True,
+                                             padding_value=pad)
+    lengths = torch.tensor([len(s) for s in sequences])
+    mask = (torch.arange(padded.shape[1])[None] < lengths[:, None]).long()
+    return padded, mask
+
+
 def _loss(draft: LlamaForCausalLM, batch: list[Record], input_map: torch.Tensor,
           unk_row: int) -> torch.Tensor:
-    sequences = [torch.cat([r["prompt_ids"], r["new_ids"]]).long() for r in batch]
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(batch), width), unk_row, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = input_map[seq]
-        mask[row, : len(seq)] = 1
+    ids, mask = right_pad([input_map[torch.cat([r["prompt_ids"], r["new_ids"]]).long()]
+                           for r in batch], pad=unk_row)
     device = draft.device  # records stay on the CPU; the step runs where the draft is
     hidden = draft.model(input_ids=ids.to(device),
                          attention_mask=mask.to(device)).last_hidden_state
