@@ -19,7 +19,6 @@ Which is faster is measured by `measure_producers` (docs/models.md has the figur
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +30,7 @@ from specdec.core.history import TokenHistory
 from specdec.draft_training.stream_prompts import Context
 from specdec.draft_training.train import Record, right_pad
 from specdec.engine.extend import ExtendRequest
-from specdec.engine.hidden_states import decoder_layers
+from specdec.engine.hidden_states import Capture
 from specdec.engine.runner import ModelRunner
 
 
@@ -59,28 +58,16 @@ def target_aux_states(target: PreTrainedModel, layers: tuple[int, ...],
                       ids: torch.Tensor, attention_mask: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(last hidden state [B, T, H], the inputs of `layers` side by side [B, T, n*H])
-    from one forward of the target's decoder."""
-    captured: dict[int, torch.Tensor] = {}
-    handles = []
-    # hooks are the module's, seen by every thread: keep this thread's forward only (the
-    # trainer measures while the producer's thread runs the same target)
-    owner = threading.get_ident()
-    for layer_id in sorted(set(layers)):
-        def keep(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 key: int = layer_id) -> None:
-            if threading.get_ident() == owner:
-                captured[key] = args[0] if args else kwargs["hidden_states"]
-
-        handles.append(decoder_layers(target)[layer_id].register_forward_pre_hook(
-            keep, with_kwargs=True))
+    from one forward of the target's decoder. Only this thread's forward is kept: the
+    trainer measures while the producer's thread runs the same target."""
+    capture = Capture(target, layers, this_thread_only=True)
     try:
         last = target.model(input_ids=ids, attention_mask=attention_mask).last_hidden_state
     finally:
-        for handle in handles:
-            handle.remove()
+        capture.remove()
     if not layers:
         return last, last.new_zeros(last.shape[:-1] + (0,))
-    return last, torch.cat([captured[key] for key in layers], dim=-1)
+    return last, torch.cat([capture.states[key] for key in layers], dim=-1)
 
 
 def score(target: PreTrainedModel, prompts: list[list[int]], answers: list[list[int]],

@@ -10,6 +10,7 @@ drafts itself.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +56,17 @@ def capture_keys(requests: Sequence[ExtendRequest]) -> tuple[int, ...]:
 
 class Capture:
     """Hooks that keep, per key, the states of every row of one forward: FINAL (the final
-    norm's output, or an EAGLE-3 draft's own output state) and decoder layer inputs."""
+    norm's output, or an EAGLE-3 draft's own output state) and decoder layer inputs.
 
-    def __init__(self, model: PreTrainedModel, keys: Iterable[int]) -> None:
+    Hooks belong to the module and see every thread's forwards; this_thread_only keeps
+    only the forwards of the thread that made the Capture (for a model that another
+    thread may run at the same time)."""
+
+    def __init__(self, model: PreTrainedModel, keys: Iterable[int],
+                 this_thread_only: bool = False) -> None:
         self.states: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
+        self._owner = threading.get_ident() if this_thread_only else None
         for key in sorted(set(keys)):
             if key == FINAL and is_eagle3_draft(model):
                 module, output = model.state_module()  # type: ignore[operator]
@@ -69,16 +76,21 @@ class Capture:
             else:
                 self._hook(decoder_layers(model)[key], key, False)
 
+    def _mine(self) -> bool:
+        return self._owner is None or threading.get_ident() == self._owner
+
     def _hook(self, module: nn.Module, key: int, output: bool) -> None:
         if output:
             def keep_output(_module: nn.Module, _inputs: Any, out: Any) -> None:
-                self.states[key] = out[0] if isinstance(out, tuple) else out
+                if self._mine():
+                    self.states[key] = out[0] if isinstance(out, tuple) else out
 
             self._handles.append(module.register_forward_hook(keep_output))
         else:
             def keep_input(_module: nn.Module, args: tuple[Any, ...],
                            kwargs: dict[str, Any]) -> None:
-                self.states[key] = args[0] if args else kwargs["hidden_states"]
+                if self._mine():
+                    self.states[key] = args[0] if args else kwargs["hidden_states"]
 
             self._handles.append(module.register_forward_pre_hook(keep_input, with_kwargs=True))
 
