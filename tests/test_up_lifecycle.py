@@ -52,24 +52,27 @@ def wait_ready(process: subprocess.Popen[str]) -> tuple[list[str], dict[str, int
     return lines, pids
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first), [] once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
 def start_ticks(pid: int) -> str:
     """When a process started (field 22 of /proc/PID/stat), or "" once it is gone.
 
-    A pid is reused once the kernel's counter wraps (32768 on many hosts, reached in
-    seconds by a parallel test run's threads), so a pid alone does not name a process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
+    A pid is reused once the kernel's counter wraps (32768 on many hosts, and a parallel
+    test run's processes and threads move it fast), so a pid alone does not name one."""
+    fields = proc_stat(pid)
+    return fields[19] if len(fields) > 19 else ""
 
 
 def alive(pid: int, started: str) -> bool:
     """The process that started at `started` still runs (a zombie has exited)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z" and fields[19] == started
+    fields = proc_stat(pid)
+    return len(fields) > 19 and fields[0] != "Z" and fields[19] == started
 
 
 class Child(NamedTuple):
