@@ -30,22 +30,39 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return save_tiny_pair(tmp_path_factory.mktemp("models"))
 
 
+def start_up(pair: tuple[Path, Path], log_dir: Path, env: dict[str, str]
+             ) -> tuple[subprocess.Popen[str], dict[str, int], list[str]]:
+    """`specdec up` on ports probed free, its lines until "ready" (or its error).
+
+    A port probed free can be taken by a parallel test's server before `up` checks it or
+    its service binds it; `up` then exits naming the port, and one new set is tried."""
+    target, draft = pair
+    for attempt in range(2):
+        ports = {role: free_port() for role in ("coordinator", "draft", "target")}
+        up = subprocess.Popen(
+            [*SPECDEC, "up", "--target-model", str(target), "--draft-model", str(draft),
+             "--dtype", "bfloat16", "--draft-dtype", "float32", "--draft-linear-kernel",
+             "torch", "--log-dir", str(log_dir), "--startup-timeout-s", "120",
+             "--http-port", "-1",
+             *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        lines = read_until(up, "ready")
+        text = "".join(lines)
+        if attempt == 0 and not (lines and lines[-1].startswith("ready")) \
+                and ("cannot listen on" in text or "is in use" in text):
+            up.wait(timeout=60)
+            continue
+        break
+    return up, ports, lines
+
+
 def test_up_generate_and_ctrl_c(tiny_pair: tuple[Path, Path], tmp_path: Path) -> None:
-    target, draft = tiny_pair
-    ports = {role: free_port() for role in ("coordinator", "draft", "target")}
     # Any free metrics ports and no trace files: other stacks may run beside this one.
     env = {**os.environ, "SPECDEC_TORCH_THREADS": "1", "SPECDEC_METRICS_PORT": "0",
            "SPECDEC_TRACING": "off"}
-    up = subprocess.Popen(
-        [*SPECDEC, "up", "--target-model", str(target), "--draft-model", str(draft),
-         "--dtype", "bfloat16", "--draft-dtype", "float32", "--draft-linear-kernel", "torch",
-         "--log-dir", str(tmp_path / "logs"), "--startup-timeout-s", "120",
-         "--http-port", "-1",
-         *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    up, ports, lines = start_up(tiny_pair, tmp_path / "logs", env)
     endpoint = f"127.0.0.1:{ports['coordinator']}"
     try:
-        lines = read_until(up, "ready")
         assert lines and lines[-1].startswith("ready"), "".join(lines)
         for role, port in ports.items():
             assert check_health(f"127.0.0.1:{port}"), role
