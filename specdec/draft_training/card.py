@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdec.engine.token_map import read_token_map
+
 
 def _row(result: dict) -> str:
     greedy = result.get("greedy_matches_target")
@@ -17,7 +19,7 @@ def _row(result: dict) -> str:
 
 def write_model_card(out_dir: Path, work_dir: Path) -> None:
     config = json.loads((out_dir / "config.json").read_text())
-    token_map = json.loads((out_dir / "token_map.json").read_text())["target_ids"]
+    token_map = read_token_map(out_dir)
     summary = json.loads((work_dir / "train_summary.json").read_text())
     report = json.loads((work_dir / "eval_report.json").read_text())
     lines = [
@@ -144,7 +146,7 @@ def _evaluation_lines(report: dict) -> list[str]:
 
 def write_feature_model_card(out_dir: Path, work_dir: Path) -> None:
     config = json.loads((out_dir / "config.json").read_text())
-    token_map = json.loads((out_dir / "token_map.json").read_text())["target_ids"]
+    token_map = read_token_map(out_dir)
     summary = json.loads((work_dir / "feature_train_summary.json").read_text())
     report = json.loads((work_dir / "feature_eval_report.json").read_text())
     lines = [

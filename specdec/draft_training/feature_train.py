@@ -31,6 +31,7 @@ from specdec.engine.feature_draft import (
     TARGET_HIDDEN_SIZE_KEY,
     FeatureDraftForCausalLM,
 )
+from specdec.engine.token_map import read_token_map, write_token_map
 
 
 def extract_hidden_states(target_dir: str, data_dir: Path, hidden_dir: Path,
@@ -180,7 +181,7 @@ def train_feature_draft(data_dir: Path, hidden_dir: Path, work_dir: Path, out_di
     records = load_with_hidden(data_dir, hidden_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "feature-checkpoint.pt"
-    token_map = json.loads((Path(init_from) / "token_map.json").read_text())["target_ids"]
+    token_map = read_token_map(Path(init_from))
     unk_row = len(token_map)
     input_map = torch.full((max(49152, max(token_map) + 1),), unk_row)
     input_map[torch.tensor(token_map)] = torch.arange(unk_row)
@@ -209,7 +210,7 @@ def train_feature_draft(data_dir: Path, hidden_dir: Path, work_dir: Path, out_di
         checkpoint_every_s=checkpoint_every_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    write_token_map(out_dir, token_map)
     shards = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir)
                      if (hidden_dir / path.name).exists())
     summary = {"sequences": len(records), "tokens": sum(len(r["new_ids"]) for r in records),

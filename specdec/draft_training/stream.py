@@ -66,6 +66,7 @@ from specdec.draft_training.train import (
 )
 from specdec.engine.eagle3 import Eagle3DraftForCausalLM
 from specdec.engine.models import parse_device
+from specdec.engine.token_map import has_token_map, read_token_map, write_token_map
 
 CHECKPOINT_FILE = "stream_checkpoint.pt"
 HELD_OUT_FILE = "held_out_chat.pt"
@@ -225,7 +226,7 @@ def new_draft(target_dir: str, out_dir: Path, settings: StreamSettings, *, vocab
     the target's embeddings and first layers (train.make_draft) over the ids that carry
     the most of the target's probability mass in a few batches of its own answers
     (train.build_token_map). Llama-family targets."""
-    if (out_dir / "token_map.json").exists():
+    if has_token_map(out_dir):
         return out_dir
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = load_target(target_dir, parse_device(settings.device))
@@ -242,7 +243,7 @@ def new_draft(target_dir: str, out_dir: Path, settings: StreamSettings, *, vocab
     token_map = build_token_map(records, vocab_size, always)
     draft = make_draft(target_dir, token_map, num_layers)
     draft.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    write_token_map(out_dir, token_map)
     return out_dir
 
 
@@ -429,7 +430,7 @@ def _write_draft(draft: LlamaForCausalLM, token_map: list[int], out_dir: Path,
     stored = copy.deepcopy(draft)
     torch.nn.Module.to(stored, torch.bfloat16)  # transformers' .to stub takes no dtype
     stored.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    write_token_map(out_dir, token_map)
     write_curve(out_dir / CURVE_FILE, curve)
     plot_curve(curve, out_dir / PLOT_FILE, "held-out acceptance of the draft, streaming stage")
 
@@ -444,7 +445,7 @@ def load_or_make_eagle3(init_draft: Path, target_dir: str,
         draft = load_eagle3(init_draft, torch.float32, target_facts(target.config), target_dir)
         draft.model.embed_tokens.weight.requires_grad_(False)
         return draft
-    token_map = json.loads((init_draft / "token_map.json").read_text())["target_ids"]
+    token_map = read_token_map(init_draft)
     return make_eagle3_draft(target, token_map)
 
 

@@ -21,6 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.draft_training.optimise import optimise
+from specdec.engine.token_map import has_token_map, read_token_map, write_token_map
 
 Record = dict[str, torch.Tensor]
 
@@ -139,7 +140,7 @@ def _loss(draft: LlamaForCausalLM, batch: list[Record], input_map: torch.Tensor,
 def load_draft(draft_dir: Path) -> tuple[LlamaForCausalLM, list[int]]:
     """A trained draft and its token map, to continue distilling it on new data."""
     draft = LlamaForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
-    token_map = json.loads((draft_dir / "token_map.json").read_text())["target_ids"]
+    token_map = read_token_map(draft_dir)
     return draft, token_map
 
 
@@ -169,14 +170,13 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
     records = records_of(shards)
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / "checkpoint.pt"
-    map_path = work_dir / "token_map.json"
     if init_draft is not None:
         draft, token_map = load_draft(init_draft)
     else:
-        token_map = (json.loads(map_path.read_text())["target_ids"] if map_path.exists()
+        token_map = (read_token_map(work_dir) if has_token_map(work_dir)
                      else build_token_map(records, vocab_size, list(eos_ids)))
         draft = make_draft(target_dir, token_map, num_layers)
-    map_path.write_text(json.dumps({"target_ids": token_map}))
+    write_token_map(work_dir, token_map)
     unk_row = len(token_map)
     input_map = torch.full((49152 if max(token_map) < 49152 else max(token_map) + 1,), unk_row)
     input_map[torch.tensor(token_map)] = torch.arange(unk_row)
@@ -194,7 +194,7 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
         label="training draft", metrics=("loss",), checkpoint_every_s=checkpoint_every_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
+    write_token_map(out_dir, token_map)
     tokens = sum(len(r["new_ids"]) for r in records)
     per_set = Counter(path.name.rsplit("-", 1)[0] for path in shard_paths(data_dir))
     summary = {"sequences": len(records), "tokens": tokens, "steps": total_steps,

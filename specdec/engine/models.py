@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specdec.engine.token_map import has_token_map, read_token_map
 from specdec.settings import SETTINGS, default
 
 if TYPE_CHECKING:
@@ -255,9 +256,8 @@ def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub
     token_map = None
     source_path = Path(source)
-    if (source_path / "token_map.json").exists():
-        ids = json.loads((source_path / "token_map.json").read_text())["target_ids"]
-        token_map = torch.tensor(ids, dtype=torch.long)
+    if has_token_map(source_path):
+        token_map = torch.tensor(read_token_map(source_path), dtype=torch.long)
     tokenizer: PreTrainedTokenizerBase | None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

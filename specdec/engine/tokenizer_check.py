@@ -12,10 +12,11 @@ draft (token_map.json: draft id -> target id) must map into the target's vocabul
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from specdec.engine.token_map import has_token_map, read_token_map
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,11 @@ def check_pair(target_name: str, draft_name: str, target_tokenizer: Any | None,
     except (ModelNotFound, FileNotFoundError) as error:  # the draft service reports it
         log.warning("cannot check the draft's tokenizer: %s", error)
         return
-    token_map = Path(source) / "token_map.json" if isinstance(source, Path) else None
+    folder = source if isinstance(source, Path) else None
+    mapped = folder is not None and has_token_map(folder)
     problem = None
-    if token_map is not None and token_map.exists():
-        problem = token_map_mismatch(json.loads(token_map.read_text())["target_ids"],
-                                     target_vocab_size)
+    if folder is not None and mapped:
+        problem = token_map_mismatch(read_token_map(folder), target_vocab_size)
     draft_tokenizer = None
     with contextlib.suppress(OSError, ValueError, TypeError):
         draft_tokenizer = AutoTokenizer.from_pretrained(source)
@@ -82,6 +83,6 @@ def check_pair(target_name: str, draft_name: str, target_tokenizer: Any | None,
         raise RuntimeError(
             f"draft {draft_name!r} does not share the target {target_name!r}'s tokenizer: "
             f"{problem}. Draft and target must use the same tokenizer (docs/models.md)")
-    if draft_tokenizer is None and (token_map is None or not token_map.exists()):
+    if draft_tokenizer is None and not mapped:
         log.warning("draft %s has no tokenizer to compare with the target's; it must use "
                     "the target's token ids", draft_name)
