@@ -24,7 +24,8 @@ from specdec.core.adaptive import (
     shared_rate,
 )
 from specdec.core.interfaces import ALONE, ForwardBatch, Proposal, Verification
-from specdec.core.loop import GenerateConfig, _suffix_offer, generate
+from specdec.core.loop import GenerateConfig, generate
+from specdec.core.offers import suffix_offer
 from specdec.core.policy import FixedLength
 from specdec.core.sampling import SamplingParams
 from specdec.core.suffix_cache import SuffixDraft
@@ -368,14 +369,14 @@ def test_a_model_free_proposal_pays_for_the_rows_it_adds_to_a_shared_forward() -
     simulate_load(policy, clock, 0.7, 1, 120, draft_s, fixed_s, per_row_s)
     asked = policy.next_length()
     assert asked > 0
-    alone = _suffix_offer(weak, proposer, evidence, policy, asked, SamplingParams())
+    alone = suffix_offer(weak, proposer, evidence, policy, asked, SamplingParams())
     assert alone is not None and alone.proposal.tokens == list(range(8))
     simulate_load(policy, clock, 0.7, 48, 120, draft_s, fixed_s, per_row_s, seed=1)
     asked = policy.next_length()
     assert asked == 0  # target-only rounds for the draft, as the row cost says
     own_rate = evidence.expected_tokens(weak, 1) / policy.costs.round_seconds(1, drafted=False)
     assert own_rate > policy.rate(0)  # by its own rate alone, it would still be taken
-    assert _suffix_offer(weak, proposer, evidence, policy, asked, SamplingParams()) is None
+    assert suffix_offer(weak, proposer, evidence, policy, asked, SamplingParams()) is None
 
 
 def test_alternatives_turn_off_under_load_and_stay_on_alone() -> None:

@@ -237,12 +237,12 @@ class _SharedForwardPolicy:
 @pytest.mark.parametrize("shared", [False, True], ids=["alone", "shared-forward"])
 def test_a_suffix_tree_is_verified_as_a_chain_when_others_share_the_forward(
         shared: bool) -> None:
-    from specdec.core.loop import _suffix_offer
+    from specdec.core.offers import suffix_offer
     from specdec.core.suffix_proposer import SuffixEvidence
 
     draft = SuffixDraft(tokens=(5, 6, 7, 8), parents=(-1, 0, -1, 1),
                         probs=(0.9, 0.8, 0.1, 0.7), match_length=3)
-    offer = _suffix_offer(draft, SuffixProposer(16, 8), SuffixEvidence(),
+    offer = suffix_offer(draft, SuffixProposer(16, 8), SuffixEvidence(),
                           _SharedForwardPolicy(shared), 2, SamplingParams())
     assert offer is not None
     proposal = offer.proposal

@@ -9,7 +9,6 @@ in sync however rounds end. The same loop runs in tests, benchmarks and the coor
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -17,9 +16,9 @@ from dataclasses import dataclass, field
 
 from specdec.core.history import FINAL_STATE, HiddenStateLog, TokenHistory
 from specdec.core.interfaces import Drafter, DraftUnavailable, Proposal, Verification, Verifier
+from specdec.core.offers import Offer, lookup_offer, suffix_offer
 from specdec.core.policy import (
     AlternativesPolicy,
-    CostedPolicy,
     DraftBackoff,
     FixedLength,
     LengthPolicy,
@@ -113,49 +112,6 @@ def _draft_inputs_ready(committed: TokenHistory) -> bool:
     return log is None or len(log) >= len(committed) - 1
 
 
-@dataclass(frozen=True)
-class _Offer:
-    """A model-free proposal and what it promises: expected tokens per second where the
-    policy prices rounds, else expected tokens per round."""
-
-    proposal: Proposal
-    value: float
-
-
-def _lookup_offer(found: Proposal, evidence: LookupEvidence,
-                  policy: LengthPolicy, asked: int) -> _Offer | None:
-    """The lookup hit, cut to its best length, or None when the draft's round (or, with
-    the draft off, a target-only round) is expected to be worth more."""
-    if not isinstance(policy, CostedPolicy):
-        return _Offer(found, evidence.expected_tokens(len(found.tokens)))
-    keep, value = evidence.tokens_to_use(len(found.tokens), policy.undrafted_value,
-                                         policy.value(asked))
-    if keep == 0:
-        return None
-    value = value if value is not None else evidence.expected_tokens(keep)
-    if keep == len(found.tokens):
-        return _Offer(found, value)
-    return _Offer(dataclasses.replace(
-        found, tokens=found.tokens[:keep],
-        probs=found.probs[:keep] if found.probs is not None else None), value)
-
-
-def _suffix_offer(draft: SuffixDraft, suffix: SuffixProposer, evidence: SuffixEvidence,
-                  policy: LengthPolicy, asked: int, params: SamplingParams) -> _Offer | None:
-    """The suffix draft, cut to its best node count (a prefix of its best-first order is
-    a tree), or None when the draft's round is expected to be worth more. When other
-    sessions share the forward it is cut to its first path, as the draft's trees are."""
-    if isinstance(policy, AlternativesPolicy) and policy.shares_forward():
-        draft = draft.chain()
-    if not isinstance(policy, CostedPolicy):
-        return _Offer(suffix.proposal(draft, params), evidence.expected_tokens(draft, len(draft)))
-    nodes, value = evidence.nodes_to_use(draft, policy.undrafted_value, policy.value(asked))
-    if nodes == 0:
-        return None
-    value = value if value is not None else evidence.expected_tokens(draft, nodes)
-    return _Offer(suffix.proposal(draft.cut(nodes), params), value)
-
-
 @dataclass
 class _Generation:
     """The state of one generate call; each method is one job of a round."""
@@ -197,17 +153,17 @@ class _Generation:
         None: draft)."""
         if self.remaining <= 1:
             return None, None, None
-        offers: list[_Offer] = []
+        offers: list[Offer] = []
         lookup, found = self.config.prompt_lookup, None
         if lookup is not None and self.lookup_evidence is not None:
             found = lookup.propose(self.committed, self.remaining - 1, self.params)
-            offer = (_lookup_offer(found, self.lookup_evidence, self.policy, asked)
+            offer = (lookup_offer(found, self.lookup_evidence, self.policy, asked)
                      if found is not None else None)
             offers += [offer] if offer is not None else []
         suffix, drafted = self.config.suffix, None
         if suffix is not None and self.suffix_evidence is not None:
             drafted = suffix.draft(self.committed, self.remaining - 1)
-            offer = (_suffix_offer(drafted, suffix, self.suffix_evidence, self.policy, asked,
+            offer = (suffix_offer(drafted, suffix, self.suffix_evidence, self.policy, asked,
                                    self.params) if drafted is not None else None)
             offers += [offer] if offer is not None else []
         best = max(offers, key=lambda offer: offer.value, default=None)
