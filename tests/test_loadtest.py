@@ -81,6 +81,16 @@ def test_load_modes_parse() -> None:
     assert parse_load_mode("adaptive+a2").max_alternative_depth == 0
     with pytest.raises(ValueError, match=r"\+aN"):
         parse_load_mode("k=4+b2")
+    plain = parse_load_mode("adaptive+s0+p0")
+    assert (plain.suffix_tokens, plain.lookup_tokens, plain.num_alternatives) == (0, 0, None)
+    request = request_for(plain, LoadPrompt("p", [1, 2]), 8).speculation
+    assert request.HasField("prompt_lookup_tokens") and request.prompt_lookup_tokens == 0
+    assert request.HasField("suffix_tokens") and request.suffix_tokens == 0
+    assert parse_load_mode("k=3+p2+a1").name == "k=3+p2+a1"
+    assert not parse_load_mode("k=3+p2").adaptive
+    for bad in ("adaptive+p1+p2", "adaptive+a1+f1", "target-only+p0"):
+        with pytest.raises(ValueError):
+            parse_load_mode(bad)
     sampled = request_for(replace(tree, temperature=1.0, top_p=0.9), LoadPrompt("p", [1, 2]), 8)
     assert (sampled.sampling.temperature, round(sampled.sampling.top_p, 3)) == (1.0, 0.9)
     assert sampled.sampling.HasField("seed")  # one seed per prompt, the same in every mode

@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from specdec.bench.configs import SUFFIXES
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 TARGET_ONLY = "target-only"
@@ -53,6 +54,7 @@ class LoadMode:
     adaptive: bool = False
     num_alternatives: int | None = None  # a token tree's alternatives (None: as served)
     max_alternative_depth: int = 0  # 1: alternatives one level deep; 0: no limit
+    lookup_tokens: int | None = None  # prompt lookup's tokens per round (None: as served)
     suffix_tokens: int | None = None  # suffix decoding's tokens per round (None: as served)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -60,39 +62,40 @@ class LoadMode:
 
 def parse_load_mode(text: str) -> LoadMode:
     """'target-only' (or '0'), 'adaptive', or a fixed length 'k=N' (or 'N'); a speculative
-    mode may end in '+aN': a token tree of up to N alternatives ('+a0': a chain), in
-    '+fN': N alternatives one level deep (each follows a chain token), or in '+sN': at
-    most N suffix decoding tokens per round ('+s0': no suffix decoding)."""
+    mode may end in the bench's length suffixes (specdec.bench.configs.SUFFIXES), which
+    combine: '+aN' a token tree of up to N alternatives ('+a0': a chain), '+fN' N
+    alternatives one level deep (each follows a chain token), '+pN' at most N prompt
+    lookup tokens per round and '+sN' at most N suffix decoding tokens ('+p0', '+s0':
+    off), e.g. 'adaptive+s0+p0'."""
     name = text.strip()
-    base, plus, suffix = name.partition("+")
-    alternatives = suffix_tokens = None
-    depth = 0
-    if plus:
-        if not (suffix[:1] in ("a", "f", "s") and suffix[1:].isdigit()):
-            raise ValueError(f"unknown load mode {name!r}: the suffixes are +aN (a token "
-                             "tree of N alternatives per round), +fN (N alternatives "
-                             "one level deep) and +sN (N suffix decoding tokens)")
-        if suffix[0] == "s":
-            suffix_tokens = int(suffix[1:])
-        else:
-            alternatives = int(suffix[1:])
-            depth = 1 if suffix[0] == "f" else 0
+    base, *options = name.split("+")
+    values: dict[str, int] = {}
+    for option in options:
+        if option[:1] not in SUFFIXES or not option[1:].isdigit() or option[0] in values:
+            raise ValueError(f"unknown load mode {name!r}: the suffixes are " + ", ".join(
+                f"+{letter}N ({what})" for letter, what in SUFFIXES.items())
+                + ", each at most once")
+        values[option[0]] = int(option[1:])
+    if "a" in values and "f" in values:
+        raise ValueError(f"load mode {name!r}: +aN and +fN both set the alternatives")
+    mode = LoadMode(name, ADAPTIVE_START, adaptive=True,
+                    num_alternatives=values.get("a", values.get("f")),
+                    max_alternative_depth=int("f" in values),
+                    lookup_tokens=values.get("p"), suffix_tokens=values.get("s"))
     if base in (TARGET_ONLY, "0", "k=0"):
-        if plus:
-            raise ValueError(f"load mode {name!r}: target-only takes no alternatives")
+        if options:
+            raise ValueError(f"load mode {name!r}: target-only takes no suffixes")
         return LoadMode(TARGET_ONLY, 0)
     if base == ADAPTIVE:
-        return LoadMode(name, ADAPTIVE_START, adaptive=True, num_alternatives=alternatives,
-                        max_alternative_depth=depth, suffix_tokens=suffix_tokens)
+        return mode
     digits = base.removeprefix("k=")
     if not digits.isdigit():
         raise ValueError(f"unknown load mode {name!r}: use target-only, adaptive or k=N, "
-                         "optionally with +aN")
+                         "optionally with suffixes such as +a0")
     if not int(digits):
         return LoadMode(TARGET_ONLY, 0)
-    return LoadMode(f"k={int(digits)}{plus}{suffix}", int(digits),
-                    num_alternatives=alternatives, max_alternative_depth=depth,
-                    suffix_tokens=suffix_tokens)
+    return replace(mode, name="+".join([f"k={int(digits)}", *options]),
+                   num_draft_tokens=int(digits), adaptive=False)
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,8 @@ def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int,
     if mode.num_alternatives is not None:
         request.speculation.num_alternatives = mode.num_alternatives
     request.speculation.max_alternative_depth = mode.max_alternative_depth
+    if mode.lookup_tokens is not None:
+        request.speculation.prompt_lookup_tokens = mode.lookup_tokens
     if mode.suffix_tokens is not None:
         request.speculation.suffix_tokens = mode.suffix_tokens
     if mode.temperature > 0:

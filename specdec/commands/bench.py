@@ -102,7 +102,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "load.md and load.png")
     parser.add_argument("--load-modes", default=",".join(DEFAULT_LOAD_MODES),
                         help="with --concurrency: the modes run at each level (target-only, "
-                        "k=N, adaptive; +aN: a token tree of up to N alternatives, +a0 a chain)")
+                        "k=N, adaptive), with --lengths' suffixes: +aN a token tree of N "
+                        "alternatives (+a0 a chain), +pN / +sN prompt lookup / suffix tokens "
+                        "(0: off); e.g. adaptive+s0+p0")
     parser.add_argument("--requests-per-client", type=int, default=1, metavar="N",
                         help="with --concurrency: at least N requests per client at each "
                         "level, mode and workload (default 1: one wave, each prompt once), "
