@@ -47,7 +47,13 @@ from coordinator.validation import (
     validate,
 )
 from specdec.core import policy as policies
-from specdec.core.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, length_policy
+from specdec.core.adaptive import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    AdaptiveLength,
+    CostModel,
+    acceptance_key,
+    length_policy,
+)
 from specdec.core.history import HiddenSpec
 from specdec.core.interfaces import Drafter, Verifier
 from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent, generate
@@ -333,6 +339,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 num_alternatives=valid.num_alternatives,
                                 max_alternative_depth=valid.max_alternative_depth,
                                 prompt_lookup=self._prompt_lookup(valid),
+                                lookup_acceptance=self.costs.lookup_acceptance(
+                                    acceptance_key(valid.sampling.greedy),
+                                    self.settings.max_draft_tokens),
                                 suffix=self._suffix(valid, tenant),
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)

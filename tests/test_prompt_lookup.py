@@ -10,6 +10,7 @@ from exact_law import chi_square_pvalue, target_law
 from test_greedy_and_kv import PROMPT, hf_greedy
 from tiny_models import tiny_gpt2, tiny_llama
 
+from specdec.core.acceptance import SharedChainAcceptance
 from specdec.core.adaptive import AdaptiveLength, CostModel
 from specdec.core.history import TokenHistory
 from specdec.core.interfaces import Proposal
@@ -154,6 +155,50 @@ def test_evidence_chooses_the_fastest_length_or_the_draft() -> None:
     assert evidence.tokens_to_use(3, flat, rival=2.0) == (0, None)
     # A length not priced yet: no basis to choose, so all of them.
     assert evidence.tokens_to_use(3, priced({1: 1.0}), rival=1.0) == (3, None)
+
+
+def test_a_new_sessions_lookup_estimate_starts_from_the_deployments_rates() -> None:
+    """Sessions of one deployment record into a shared estimate; a new session's lookup
+    prior is what that text showed (here: the first token rarely right), not the fixed
+    guess, so it declines a lookup the guess would have taken."""
+    shared = SharedChainAcceptance(4, min_trials=10.0)
+    fresh = LookupEvidence(max_tokens=4, prior=0.6, prior_strength=2.0, shared=shared)
+    assert shared.rate(1) is None  # nothing measured yet: the fixed prior
+    assert fresh.expected_tokens(3) == pytest.approx(1 + 0.6 + 0.36 + 0.216)
+    earlier = LookupEvidence(max_tokens=4, shared=shared)
+    for index in range(60):  # one round in five copies three tokens right
+        earlier.observe([1, 2, 3], [1, 2, 3, 4] if index % 5 == 0 else [9])
+    first, second = shared.rate(1), shared.rate(2)
+    assert first is not None and 0.15 < first < 0.25
+    assert second == pytest.approx(1.0)  # 12 trials, all kept
+    assert shared.rate(4) is None  # never offered
+    new = LookupEvidence(max_tokens=4, prior=0.6, prior_strength=2.0, shared=shared)
+    assert new.acceptance(1) == pytest.approx(first)
+    assert new.acceptance(4) == pytest.approx(0.6)  # unmeasured: the fixed prior
+    # Verifying n tokens costs 1 + n/4 s, a target-only round emits 1 token in 1 s.
+    seconds = {0: 1.0, 1: 1.25, 2: 1.5, 3: 1.75}
+
+    def value(length: int, expected: float) -> float:
+        return expected / seconds[length]
+
+    guess = LookupEvidence(max_tokens=4, prior=0.6, prior_strength=2.0)  # no deployment
+    assert guess.tokens_to_use(3, value, rival=1.0)[0] == 2  # 1.96 tokens in 1.5 s
+    assert new.tokens_to_use(3, value, rival=1.0) == (0, None)  # about 1.6 in 1.75 s
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_only_adaptive_requests_share_lookup_evidence(adaptive: bool) -> None:
+    """A fixed-length request's choices must not follow other requests (its seeded tokens
+    repeat), so it neither reads nor feeds the deployment's lookup estimate."""
+    target, draft = tiny_llama(16, seed=3), tiny_llama(16, seed=4, layers=1)
+    shared = SharedChainAcceptance(4, min_trials=1.0)
+    policy = AdaptiveLength(2, 4, costs=CostModel()) if adaptive else FixedLength(2)
+    result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                      PROMPT * 2, GenerateConfig(max_new_tokens=30, num_draft_tokens=2,
+                                                 prompt_lookup=PromptLookup(16, min_ngram=1),
+                                                 lookup_acceptance=shared), policy=policy)
+    assert result.stats.lookup_drafts > 0 or adaptive
+    assert (shared.rate(1) is not None) == adaptive
 
 
 class PricedPolicy(FixedLength):

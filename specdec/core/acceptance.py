@@ -7,10 +7,18 @@ average, with a_i the position's rate shrunk towards a prior mean. Counts are di
 per recorded round, so code, lists and prose each pull the estimate their way in turn.
 
 The draft model's adaptive length (specdec.core.adaptive) and the prompt-lookup gate
-(specdec.core.prompt_lookup) each keep one per session.
+(specdec.core.prompt_lookup) each keep one per session. SharedChainAcceptance is one fed by
+every session of a deployment: a new session's lookup estimate starts from the rates this
+deployment's text has shown rather than from a fixed guess.
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+# A prior mean: one for every position, or one per position.
+PriorMean = float | Callable[[int], float]
 
 
 class ChainAcceptance:
@@ -36,17 +44,46 @@ class ChainAcceptance:
             if position <= accepted_len:
                 self.accepts[position] += 1.0
 
-    def rate(self, position: int, prior_mean: float, prior_strength: float) -> float:
+    def rate(self, position: int, prior_mean: PriorMean, prior_strength: float) -> float:
         """Acceptance at `position`; the prior alone past max_length."""
+        mean = prior_mean(position) if callable(prior_mean) else prior_mean
         if not 1 <= position <= self.max_length:
-            return prior_mean
-        return (self.accepts[position] + prior_mean * prior_strength) / (
+            return mean
+        return (self.accepts[position] + mean * prior_strength) / (
             self.trials[position] + prior_strength)
 
-    def expected_tokens(self, length: int, prior_mean: float, prior_strength: float) -> float:
+    def expected_tokens(self, length: int, prior_mean: PriorMean,
+                        prior_strength: float) -> float:
         """Tokens a round verifying the first `length` proposed tokens emits on average."""
         total, survive = 1.0, 1.0
         for position in range(1, length + 1):
             survive *= self.rate(position, prior_mean, prior_strength)
             total += survive
         return total
+
+
+class SharedChainAcceptance:
+    """A ChainAcceptance that every session of a deployment records into (thread-safe),
+    discounted slowly, so it holds the last few hundred rounds of all of them."""
+
+    def __init__(self, max_length: int, decay: float = 0.995, min_trials: float = 10.0) -> None:
+        self.min_trials = min_trials
+        self._chain = ChainAcceptance(max_length, decay)
+        self._lock = threading.Lock()
+
+    @property
+    def max_length(self) -> int:
+        return self._chain.max_length
+
+    def record(self, offered: int, accepted_len: int) -> None:
+        with self._lock:
+            self._chain.record(offered, accepted_len)
+
+    def rate(self, position: int) -> float | None:
+        """The measured acceptance at `position`; None with fewer than min_trials
+        (discounted) trials there."""
+        with self._lock:
+            chain = self._chain
+            if not 1 <= position <= chain.max_length or chain.trials[position] < self.min_trials:
+                return None
+            return chain.accepts[position] / chain.trials[position]

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specdec.core.acceptance import ChainAcceptance
+from specdec.core.acceptance import ChainAcceptance, SharedChainAcceptance
 from specdec.core.interfaces import ForwardBatch, Proposal, Verification
 from specdec.core.policy import FixedLength, LengthPolicy
 from specdec.core.speculation_gate import SpeculationGate
@@ -195,6 +195,7 @@ class CostModel:
         self.rows = RowCost()  # verify forward seconds against the rows it carried
         self.acceptance_decay = acceptance_decay
         self._acceptance: dict[str, list[float]] = {}  # key -> [successes, failures]
+        self._lookup: dict[str, SharedChainAcceptance] = {}
         self._lock = threading.Lock()
 
     def record_acceptance(self, key: str, accepted: int, failed: bool) -> None:
@@ -208,6 +209,15 @@ class CostModel:
             successes, failures = self._acceptance.get(key, (0.0, 0.0))
         total = successes + failures
         return successes / total if total >= min_evidence else None
+
+    def lookup_acceptance(self, key: str, max_tokens: int) -> SharedChainAcceptance:
+        """Prompt lookup's per-position acceptance over this deployment's sessions of one
+        kind of request (acceptance_key), a prior for each new session's estimate."""
+        with self._lock:
+            shared = self._lookup.get(key)
+            if shared is None or shared.max_length < max_tokens:
+                shared = self._lookup[key] = SharedChainAcceptance(max_tokens)
+            return shared
 
     @classmethod
     def from_curve(cls, curve: MeasuredCosts, max_length: int = DEFAULT_MAX_DRAFT_TOKENS,
@@ -567,6 +577,12 @@ class HeuristicLength:
         self.length = max(1, min(self.max_length, self.length + step))
 
 
+def acceptance_key(greedy: bool) -> str:
+    """The kind of request a deployment's acceptance priors are kept per (CostModel):
+    greedy and sampled requests accept differently."""
+    return "greedy" if greedy else "sampled"
+
+
 def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAULT_MAX_LENGTH,
                   costs: CostModel | None = None, greedy: bool = True,
                   running: Callable[[], int] | None = None,
@@ -585,6 +601,6 @@ def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAU
         longest = min(max_length, max(DEFAULT_MAX_LENGTH, num_draft_tokens))
         return AdaptiveLength(num_draft_tokens, max(1, longest),
                               costs=costs,
-                              prior_key="greedy" if greedy else "sampled", running=running,
+                              prior_key=acceptance_key(greedy), running=running,
                               gate=gate)
     return FixedLength(num_draft_tokens)

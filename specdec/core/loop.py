@@ -14,11 +14,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from specdec.core.acceptance import SharedChainAcceptance
 from specdec.core.history import FINAL_STATE, HiddenStateLog, TokenHistory
 from specdec.core.interfaces import Drafter, DraftUnavailable, Proposal, Verification, Verifier
 from specdec.core.offers import Offer, lookup_offer, suffix_offer
 from specdec.core.policy import (
     AlternativesPolicy,
+    CostedPolicy,
     DraftBackoff,
     FixedLength,
     LengthPolicy,
@@ -47,6 +49,10 @@ class GenerateConfig:
     # tokens fastest replaces the draft's proposal (None = off).
     prompt_lookup: PromptLookup | None = None
     suffix: SuffixProposer | None = None
+    # The deployment's lookup acceptance (CostModel.lookup_acceptance), the prior of an
+    # adaptive request's lookup estimate; a fixed-length request keeps its own, so that
+    # its choices do not follow other requests.
+    lookup_acceptance: SharedChainAcceptance | None = None
     eos_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     session_id: str = ""
@@ -317,9 +323,11 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
     if drafter is not None and getattr(drafter, "needs_target_hidden", False):
         committed.target_hidden = HiddenStateLog(getattr(drafter, "target_hidden_spec",
                                                          FINAL_STATE))
+    policy = policy or FixedLength(config.num_draft_tokens)
+    shared_lookup = config.lookup_acceptance if isinstance(policy, CostedPolicy) else None
     return _Generation(
         drafter, verifier, config,
-        policy=policy or FixedLength(config.num_draft_tokens),
+        policy=policy,
         backoff=backoff or DraftBackoff(),
         stopper=StopChecker(config.stop, decode),
         params=params,
@@ -327,6 +335,6 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
         committed=committed,
         prompt_len=len(committed),
         num_alternatives=config.num_alternatives,
-        lookup_evidence=(LookupEvidence(config.prompt_lookup.max_tokens)
+        lookup_evidence=(LookupEvidence(config.prompt_lookup.max_tokens, shared=shared_lookup)
                          if config.prompt_lookup is not None else None),
         suffix_evidence=SuffixEvidence() if config.suffix is not None else None)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.core.acceptance import ChainAcceptance
+from specdec.core.acceptance import ChainAcceptance, SharedChainAcceptance
 from specdec.core.history import TokenHistory
 from specdec.core.interfaces import Proposal
 from specdec.core.policy import best_undrafted_length
@@ -100,12 +100,18 @@ class LookupEvidence:
     token i equals the lookup's (given tokens 1..i-1 did) estimates its acceptance
     probability p(x_i) in every sampling mode. No exploration is needed to keep the
     estimate current. Counts are discounted per observation, like the draft's.
+
+    shared: the deployment's rates (SharedChainAcceptance), recorded into and used as the
+    prior where they are measured; elsewhere the prior is `prior`. A position the session
+    has not judged lately (the lookup unused, so only token 1 was judged) then returns to
+    what this deployment's text shows, not to a fixed guess.
     """
 
     def __init__(self, max_tokens: int, prior: float = 0.6, prior_strength: float = 2.0,
-                 decay: float = 0.95) -> None:
+                 decay: float = 0.95, shared: SharedChainAcceptance | None = None) -> None:
         self.prior = prior
         self.prior_strength = prior_strength
+        self.shared = shared
         self.chain = ChainAcceptance(max_tokens, decay)
 
     def observe(self, proposed: Sequence[int], emitted: Sequence[int]) -> None:
@@ -116,14 +122,21 @@ class LookupEvidence:
                 break
             matched += 1
         # Fewer emitted than proposed tokens (a rejection, an end) censor the rest.
-        self.chain.record(min(len(proposed), len(emitted)), matched)
+        judged = min(len(proposed), len(emitted))
+        self.chain.record(judged, matched)
+        if self.shared is not None:
+            self.shared.record(judged, matched)
+
+    def prior_mean(self, position: int) -> float:
+        measured = self.shared.rate(position) if self.shared is not None else None
+        return self.prior if measured is None else measured
 
     def acceptance(self, position: int) -> float:
-        return self.chain.rate(position, self.prior, self.prior_strength)
+        return self.chain.rate(position, self.prior_mean, self.prior_strength)
 
     def expected_tokens(self, length: int) -> float:
         """Tokens a round verifying the first `length` lookup tokens emits on average."""
-        return self.chain.expected_tokens(length, self.prior, self.prior_strength)
+        return self.chain.expected_tokens(length, self.prior_mean, self.prior_strength)
 
     def tokens_to_use(self, available: int,
                       value: Callable[[int, float], float | None],
