@@ -47,13 +47,8 @@ from coordinator.validation import (
     validate,
 )
 from specdec.core import policy as policies
-from specdec.core.adaptive import (
-    DEFAULT_DRAFT_CONFIDENCE,
-    AdaptiveLength,
-    CostModel,
-    acceptance_key,
-    length_policy,
-)
+from specdec.core.acceptance import acceptance_key
+from specdec.core.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, length_policy
 from specdec.core.history import HiddenSpec
 from specdec.core.interfaces import Drafter, Verifier
 from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent, generate
@@ -339,7 +334,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 num_alternatives=valid.num_alternatives,
                                 max_alternative_depth=valid.max_alternative_depth,
                                 prompt_lookup=self._prompt_lookup(valid),
-                                lookup_acceptance=self.costs.lookup_acceptance(
+                                lookup_acceptance=self.costs.lookup_acceptance.get(
                                     acceptance_key(valid.sampling.greedy),
                                     self.settings.max_draft_tokens),
                                 suffix=self._suffix(valid, tenant),

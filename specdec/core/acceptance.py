@@ -87,3 +87,24 @@ class SharedChainAcceptance:
             if not 1 <= position <= chain.max_length or chain.trials[position] < self.min_trials:
                 return None
             return chain.accepts[position] / chain.trials[position]
+
+
+class SharedChainAcceptances:
+    """A SharedChainAcceptance per kind of request (acceptance_key), made on first use."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, SharedChainAcceptance] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, max_length: int) -> SharedChainAcceptance:
+        with self._lock:
+            shared = self._by_key.get(key)
+            if shared is None or shared.max_length < max_length:
+                shared = self._by_key[key] = SharedChainAcceptance(max_length)
+            return shared
+
+
+def acceptance_key(greedy: bool) -> str:
+    """The kind of request a deployment keeps acceptance priors per: greedy and sampled
+    requests accept differently."""
+    return "greedy" if greedy else "sampled"

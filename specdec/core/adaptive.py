@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specdec.core.acceptance import ChainAcceptance, SharedChainAcceptance
+from specdec.core.acceptance import ChainAcceptance, SharedChainAcceptances, acceptance_key
 from specdec.core.interfaces import ForwardBatch, Proposal, Verification
 from specdec.core.policy import FixedLength, LengthPolicy
 from specdec.core.speculation_gate import SpeculationGate
@@ -195,7 +195,8 @@ class CostModel:
         self.rows = RowCost()  # verify forward seconds against the rows it carried
         self.acceptance_decay = acceptance_decay
         self._acceptance: dict[str, list[float]] = {}  # key -> [successes, failures]
-        self._lookup: dict[str, SharedChainAcceptance] = {}
+        # prompt lookup's per-position acceptance per kind of request (acceptance_key)
+        self.lookup_acceptance = SharedChainAcceptances()
         self._lock = threading.Lock()
 
     def record_acceptance(self, key: str, accepted: int, failed: bool) -> None:
@@ -209,15 +210,6 @@ class CostModel:
             successes, failures = self._acceptance.get(key, (0.0, 0.0))
         total = successes + failures
         return successes / total if total >= min_evidence else None
-
-    def lookup_acceptance(self, key: str, max_tokens: int) -> SharedChainAcceptance:
-        """Prompt lookup's per-position acceptance over this deployment's sessions of one
-        kind of request (acceptance_key), a prior for each new session's estimate."""
-        with self._lock:
-            shared = self._lookup.get(key)
-            if shared is None or shared.max_length < max_tokens:
-                shared = self._lookup[key] = SharedChainAcceptance(max_tokens)
-            return shared
 
     @classmethod
     def from_curve(cls, curve: MeasuredCosts, max_length: int = DEFAULT_MAX_DRAFT_TOKENS,
@@ -575,12 +567,6 @@ class HeuristicLength:
             return
         step = 2 if accepted_len == asked else -1
         self.length = max(1, min(self.max_length, self.length + step))
-
-
-def acceptance_key(greedy: bool) -> str:
-    """The kind of request a deployment's acceptance priors are kept per (CostModel):
-    greedy and sampled requests accept differently."""
-    return "greedy" if greedy else "sampled"
 
 
 def length_policy(num_draft_tokens: int, adaptive: bool, max_length: int = DEFAULT_MAX_LENGTH,
