@@ -112,6 +112,20 @@ class Cancelled(Exception):
     finish_reason = "cancelled"  # how metrics count the request
 
 
+@dataclass(frozen=True)
+class AdmittedCall:
+    """A valid request holding a running slot (its RPC releases it when it ends)."""
+
+    valid: ValidRequest
+    deadline: float | None
+    tenant: str
+    cancelled: threading.Event  # set by the RPC's end (the client went away)
+    context: grpc.ServicerContext
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled.is_set() or not self.context.is_active()
+
+
 def make_policy(num_draft_tokens: int, adaptive: bool, *,
                 max_length: int = default("max-adaptive-length"),
                 greedy: bool = True, costs: CostModel | None = None,
@@ -185,20 +199,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @rpc_errors
     def Generate(self, request: coordinator_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> coordinator_pb2.GenerateResponse:
-        valid = validate(request, self.limits, self.tokenizer)
-        cancelled = threading.Event()
-        context.add_callback(cancelled.set)
-        deadline = _deadline(context)
-
-        def is_cancelled() -> bool:
-            return cancelled.is_set() or not context.is_active()
-
-        self._admit(context, is_cancelled, deadline)
-        tenant = self.tenant(context, request.cache_salt)
+        call = self._admitted(request, context)
+        valid = call.valid
         try:
             with self.telemetry.request(request.request_id, len(valid.prompt_ids)) as observed:
-                result = self.run(valid, request.request_id, deadline, is_cancelled,
-                                  observed=observed, tenant=tenant)
+                result = self.run(valid, request.request_id, call.deadline, call.is_cancelled,
+                                  observed=observed, tenant=call.tenant)
         except Cancelled:
             context.abort(grpc.StatusCode.CANCELLED, "client cancelled")
         finally:
@@ -213,18 +219,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                        context: grpc.ServicerContext
                        ) -> Iterator[coordinator_pb2.GenerateResponse]:
         try:
-            valid = validate(request, self.limits, self.tokenizer)
-        except SpecdecError as error:
+            call = self._admitted(request, context)
+        except SpecdecError as error:  # a generator: rpc_errors cannot see its errors
             abort(context, error)
-        cancelled = threading.Event()
-        context.add_callback(cancelled.set)
-        deadline = _deadline(context)
-
-        def is_cancelled() -> bool:
-            return cancelled.is_set() or not context.is_active()
-
-        self._admit(context, is_cancelled, deadline)
-        tenant = self.tenant(context, request.cache_salt)
+        valid = call.valid
         chunks: queue.Queue[coordinator_pb2.GenerateResponse | BaseException | None] = queue.Queue()
         chunker = StreamChunker(self.decode, valid.stop)
         output: list[int] = []
@@ -239,8 +237,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             try:
                 with self.telemetry.request(request.request_id,
                                             len(valid.prompt_ids)) as observed:
-                    result = self.run(valid, request.request_id, deadline, is_cancelled,
-                                      on_round, observed=observed, tenant=tenant)
+                    result = self.run(valid, request.request_id, call.deadline,
+                                      call.is_cancelled, on_round, observed=observed,
+                                      tenant=call.tenant)
                 text, tokens = chunker.finish(result.text or "", result.token_ids)
                 last = coordinator_pb2.GenerateResponse(text=text, token_ids=tokens,
                                                         finish_reason=result.finish_reason,
@@ -275,7 +274,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     context.abort(grpc.StatusCode.INTERNAL, f"{type(item).__name__}: {item}")
                 yield item
         finally:
-            cancelled.set()  # the client stopped reading: end the loop, free the caches
+            call.cancelled.set()  # the client stopped reading: end the loop, free the caches
+
+    def _admitted(self, request: coordinator_pb2.GenerateRequest,
+                  context: grpc.ServicerContext) -> AdmittedCall:
+        """Validate the request (SpecdecError), tie its cancellation to the RPC and take
+        a running slot (_admit); the caller releases the slot when the generation ends."""
+        valid = validate(request, self.limits, self.tokenizer)
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+        call = AdmittedCall(valid, _deadline(context), self.tenant(context, request.cache_salt),
+                            cancelled, context)
+        self._admit(context, call.is_cancelled, call.deadline)
+        return call
 
     def _admit(self, context: grpc.ServicerContext, is_cancelled: Callable[[], bool],
                deadline: float | None) -> None:
