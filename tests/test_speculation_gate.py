@@ -116,3 +116,20 @@ def test_a_closed_gate_makes_adaptive_rounds_draft_nothing() -> None:
     assert policy.next_length() == 0 and policy.gated_off
     open_policy = AdaptiveLength(4, 8, costs=CostModel(), gate=SpeculationGate())
     assert open_policy.next_length() == 4 and not open_policy.gated_off
+
+
+def test_arms_within_the_margin_do_not_flip_the_choice() -> None:
+    """Once an arm is chosen, a re-test that finds the other ahead by less than
+    SWITCH_MARGIN keeps it (the epochs cannot tell them apart); a clear lead switches."""
+    clock = Clock()
+    gate = SpeculationGate(epoch_s=1.0, explore_every=2, max_explore_every=2, ema=1.0,
+                           clock=clock)
+    simulate(gate, clock, 8, rate_on=20.0, rate_off=20.4, seconds=10.0)
+    assert gate.snapshot()[load_level(8)][0] < gate.snapshot()[load_level(8)][2]
+    close = simulate(gate, clock, 8, rate_on=20.4, rate_off=20.0, seconds=30.0)
+    on_rate, _, off_rate, _ = gate.snapshot()[load_level(8)]
+    assert on_rate > off_rate  # the re-tests measured drafting ahead, by 2 %
+    assert sum(close) / len(close) < 0.5  # and target-only is still played
+    simulate(gate, clock, 8, rate_on=24.0, rate_off=20.0, seconds=10.0)
+    clear = simulate(gate, clock, 8, rate_on=24.0, rate_off=20.0, seconds=20.0)
+    assert sum(clear) / len(clear) > 0.5  # 20 % ahead: drafting is played

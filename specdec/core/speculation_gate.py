@@ -13,7 +13,9 @@ generation the coordinator runs. Arms are kept per load level (running generatio
 powers of two: 1, 2-3, 4-7, 8-15, ...), each an exponential moving average over epochs.
 Per level it plays the arm with the higher rate and re-tests the other every
 `explore_every` epochs, an interval that doubles (to `max_explore_every`) while the
-re-test confirms the choice and falls back when it does not. Until each arm has
+re-test confirms the choice and falls back when it does not. Once chosen, an arm is left
+only for one ahead by SWITCH_MARGIN: arms closer than that are within an epoch's noise,
+and each switch to drafting costs the draft a catch-up of the tokens it missed. Until each arm has
 MIN_EPOCHS epochs at a level the arm with fewer is played, first the nearest lower
 level's choice (drafting pays less as load grows).
 
@@ -41,6 +43,8 @@ DEFAULT_EPOCH_S = 1.0
 MIN_EPOCHS = 2
 # An epoch that ran longer than this many epoch lengths spanned an idle gap: not a sample.
 IDLE_FACTOR = 3.0
+# How far ahead (a fraction of its rate) the other arm must be for a level to switch.
+SWITCH_MARGIN = 0.05
 
 
 def load_level(running: int) -> int:
@@ -66,12 +70,23 @@ class Level:
     off: Arm
     explore_every: int
     since_explore: int = 0
+    choice: bool | None = None  # the arm played: True drafting on
 
     def winner(self) -> bool | None:
         """True: drafting on wins; None: an arm has fewer than MIN_EPOCHS epochs."""
+        return self.choice
+
+    def decide(self, margin: float) -> None:
+        """After an epoch: the faster arm once both are measured, then the other arm
+        only when it is ahead by `margin`."""
         if min(self.on.epochs, self.off.epochs) < MIN_EPOCHS:
-            return None
-        return self.on.rate >= self.off.rate
+            return
+        if self.choice is None:
+            self.choice = self.on.rate >= self.off.rate
+            return
+        played, other = (self.on, self.off) if self.choice else (self.off, self.on)
+        if other.rate > played.rate * (1.0 + margin):
+            self.choice = not self.choice
 
 
 class SpeculationGate:
@@ -159,6 +174,7 @@ class SpeculationGate:
         state = self._state(level)
         before = state.winner()
         (state.on if self._on else state.off).observe(rate, self.ema)
+        state.decide(SWITCH_MARGIN)
         after = state.winner()
         if after is not None and after != before:
             low = 1 << (level - 1)
