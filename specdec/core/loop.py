@@ -170,7 +170,7 @@ class _Generation:
         if suffix is not None and self.suffix_evidence is not None:
             drafted = suffix.draft(self.committed, self.remaining - 1)
             offer = (suffix_offer(drafted, suffix, self.suffix_evidence, self.policy, asked,
-                                   self.params) if drafted is not None else None)
+                                  self.params) if drafted is not None else None)
             offers += [offer] if offer is not None else []
         best = max(offers, key=lambda offer: offer.value, default=None)
         return found, drafted, best.proposal if best is not None else None

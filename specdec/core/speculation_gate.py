@@ -15,9 +15,9 @@ Per level it plays the arm with the higher rate and re-tests the other every
 `explore_every` epochs, an interval that doubles (to `max_explore_every`) while the
 re-test confirms the choice and falls back when it does not. Once chosen, an arm is left
 only for one ahead by SWITCH_MARGIN: arms closer than that are within an epoch's noise,
-and each switch to drafting costs the draft a catch-up of the tokens it missed. Until each arm has
-MIN_EPOCHS epochs at a level the arm with fewer is played, first the nearest lower
-level's choice (drafting pays less as load grows).
+and each switch to drafting costs the draft a catch-up of the tokens it missed. Until
+each arm has MIN_EPOCHS epochs at a level the arm with fewer is played, first the
+nearest lower level's choice (drafting pays less as load grows).
 
 An epoch counts at the level of its mean load, and only if the load stayed within a
 factor of two through it, only adaptive sessions produced tokens in it (a fixed-length

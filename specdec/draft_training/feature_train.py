@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import LlamaForCausalLM
 
 from specdec.draft_training.optimise import optimise
-from specdec.draft_training.train import Record, shard_paths
+from specdec.draft_training.train import Record, draft_input_map, shard_paths
 from specdec.engine.feature_draft import (
     TARGET_HIDDEN_SCALE_KEY,
     TARGET_HIDDEN_SIZE_KEY,
@@ -183,8 +183,7 @@ def train_feature_draft(data_dir: Path, hidden_dir: Path, work_dir: Path, out_di
     checkpoint = work_dir / "feature-checkpoint.pt"
     token_map = read_token_map(Path(init_from))
     unk_row = len(token_map)
-    input_map = torch.full((max(49152, max(token_map) + 1),), unk_row)
-    input_map[torch.tensor(token_map)] = torch.arange(unk_row)
+    input_map = draft_input_map(token_map)
     sample = torch.cat([r["hidden"].float() for r in records[:64]])
     draft = feature_draft_from_token_draft(init_from, int(sample.shape[-1]),
                                            float(sample.pow(2).mean().sqrt()))

@@ -69,11 +69,9 @@ def check_pair(target_name: str, draft_name: str, target_tokenizer: Any | None,
     except (ModelNotFound, FileNotFoundError) as error:  # the draft service reports it
         log.warning("cannot check the draft's tokenizer: %s", error)
         return
-    folder = source if isinstance(source, Path) else None
-    mapped = folder is not None and has_token_map(folder)
-    problem = None
-    if folder is not None and mapped:
-        problem = token_map_mismatch(read_token_map(folder), target_vocab_size)
+    mapped = source if isinstance(source, Path) and has_token_map(source) else None
+    problem = (token_map_mismatch(read_token_map(mapped), target_vocab_size)
+               if mapped is not None else None)
     draft_tokenizer = None
     with contextlib.suppress(OSError, ValueError, TypeError):
         draft_tokenizer = AutoTokenizer.from_pretrained(source)
@@ -83,6 +81,6 @@ def check_pair(target_name: str, draft_name: str, target_tokenizer: Any | None,
         raise RuntimeError(
             f"draft {draft_name!r} does not share the target {target_name!r}'s tokenizer: "
             f"{problem}. Draft and target must use the same tokenizer (docs/models.md)")
-    if draft_tokenizer is None and not mapped:
+    if draft_tokenizer is None and mapped is None:
         log.warning("draft %s has no tokenizer to compare with the target's; it must use "
                     "the target's token ids", draft_name)
