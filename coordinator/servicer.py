@@ -48,7 +48,8 @@ from coordinator.validation import (
 )
 from specdec.core import policy as policies
 from specdec.core.acceptance import acceptance_key
-from specdec.core.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, CostModel, length_policy
+from specdec.core.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, length_policy
+from specdec.core.cost_model import CostModel
 from specdec.core.history import HiddenSpec
 from specdec.core.interfaces import Drafter, Verifier
 from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent, generate

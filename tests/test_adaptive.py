@@ -14,20 +14,20 @@ from specdec.core.acceptance import ChainAcceptance
 from specdec.core.adaptive import (
     RUNNING_ALONE,
     AdaptiveLength,
-    CostModel,
-    CostTable,
     HeuristicLength,
-    RowCost,
     SharedLoad,
     expected_load,
     length_policy,
     shared_rate,
 )
+from specdec.core.cost_model import CostModel, CostTable, RowCost
 from specdec.core.interfaces import ALONE, ForwardBatch, Proposal, Verification
 from specdec.core.loop import GenerateConfig, generate
-from specdec.core.offers import suffix_offer
+from specdec.core.offers import lookup_offer, suffix_offer
 from specdec.core.policy import FixedLength
+from specdec.core.prompt_lookup import LookupEvidence
 from specdec.core.sampling import SamplingParams
+from specdec.core.stats import PROMPT_LOOKUP
 from specdec.core.suffix_cache import SuffixDraft
 from specdec.core.suffix_proposer import SuffixEvidence, SuffixProposer
 from specdec.core.tree_acceptance import Alternatives
@@ -377,6 +377,34 @@ def test_a_model_free_proposal_pays_for_the_rows_it_adds_to_a_shared_forward() -
     own_rate = evidence.expected_tokens(weak, 1) / policy.costs.round_seconds(1, drafted=False)
     assert own_rate > policy.rate(0)  # by its own rate alone, it would still be taken
     assert suffix_offer(weak, proposer, evidence, policy, asked, SamplingParams()) is None
+
+
+def test_a_model_free_round_is_priced_by_what_such_rounds_cost() -> None:
+    """Prompt lookup and the suffix cache verify every token they propose, often more than
+    the draft is ever asked for. Their rounds' costs are measured on their own: a length
+    past the draft's is first priced from the longest drafted one plus the per-row cost,
+    then at what it took, and a hit is cut to the length that pays."""
+    clock = FakeClock()
+    costs = CostModel()
+    policy = AdaptiveLength(4, 8, clock=clock, costs=costs)
+    flat = {k: 0.100 for k in range(9)}  # verifying up to 9 rows costs one forward
+    simulate(policy, clock, 0.2, 0.004, flat, rounds=60)  # a poor draft: lookup should win
+    evidence = LookupEvidence(max_tokens=16, prior=0.9, prior_strength=2.0)
+    hit = Proposal(list(range(16)), None, 0.0, source=PROMPT_LOOKUP)
+
+    def offered_length() -> int:
+        offer = lookup_offer(hit, evidence, policy, policy.next_length())
+        assert offer is not None
+        return len(offer.proposal.tokens)
+
+    assert offered_length() == 16  # flat as far as measured, so all of it
+    # The 16-token round took 0.4 s: where the forward is compute-bound past 9 rows.
+    policy.observe_undrafted(hit, Verification(12, 0, 0.400))
+    clock.now += 0.401
+    assert offered_length() < 16
+    assert costs.round_seconds(16, drafted=False) == pytest.approx(0.401, abs=0.002)
+    assert 0.1 < costs.round_seconds(12, drafted=False) < 0.4  # between the measured ones
+    assert set(costs.verify.mean) == set(range(9))  # the draft's table: its rounds only
 
 
 def test_alternatives_turn_off_under_load_and_stay_on_alone() -> None:

@@ -11,9 +11,10 @@ from test_greedy_and_kv import PROMPT, hf_greedy
 from tiny_models import tiny_gpt2, tiny_llama
 
 from specdec.core.acceptance import SharedChainAcceptance
-from specdec.core.adaptive import AdaptiveLength, CostModel
+from specdec.core.adaptive import AdaptiveLength
+from specdec.core.cost_model import CostModel
 from specdec.core.history import TokenHistory
-from specdec.core.interfaces import Proposal
+from specdec.core.interfaces import Proposal, Verification
 from specdec.core.loop import GenerateConfig, RoundEvent, generate
 from specdec.core.policy import FixedLength
 from specdec.core.prompt_lookup import LookupEvidence, PromptLookup, find_continuation
@@ -215,6 +216,9 @@ class PricedPolicy(FixedLength):
 
     def undrafted_value(self, k: int, expected_tokens: float) -> float | None:
         return expected_tokens / self.lookup_seconds.get(k, 100.0)
+
+    def observe_undrafted(self, proposal: Proposal, verification: Verification) -> None:
+        pass  # the prices are fixed
 
 
 @pytest.mark.parametrize("draft_rate, lookup_seconds, lookup_lengths", [

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from specdec.core.adaptive import AdaptiveLength, CostModel
+from specdec.core.adaptive import AdaptiveLength
+from specdec.core.cost_model import CostModel
 from specdec.core.speculation_gate import SpeculationGate, load_level
 
 

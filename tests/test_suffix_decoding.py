@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_greedy_and_kv import PROMPT, hf_greedy
 from tiny_models import tiny_llama
 
-from specdec.core.interfaces import Proposal
+from specdec.core.interfaces import Proposal, Verification
 from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent, generate
 from specdec.core.prompt_lookup import PromptLookup
 from specdec.core.sampling import SamplingParams
@@ -226,6 +226,9 @@ class _SharedForwardPolicy:
 
     def undrafted_value(self, k: int, expected_tokens: float) -> float | None:
         return None
+
+    def observe_undrafted(self, proposal: Proposal, verification: Verification) -> None:
+        pass  # the costs stay unknown
 
     def next_alternatives(self, limit: int) -> int:
         return 0 if self.shared else limit

@@ -37,7 +37,7 @@ from specdec.bench.configs import (
 from specdec.bench.costs import CostCurve, measure_costs
 from specdec.bench.prompts import BenchPrompt, chat_encoder, prompt_encoder, select
 from specdec.bench.workloads import workload_prompts
-from specdec.core.adaptive import CostModel
+from specdec.core.cost_model import CostModel
 from specdec.engine.attention import resolve_attention
 from specdec.engine.feature_draft import is_feature_draft
 from specdec.engine.kernels import resolve_kernel

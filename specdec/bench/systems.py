@@ -6,12 +6,8 @@ import time
 from typing import Any
 
 from specdec.bench.configs import GATED, TARGET_ONLY, BenchConfig, RunRecord, SamplingMode
-from specdec.core.adaptive import (
-    DEFAULT_DRAFT_CONFIDENCE,
-    AdaptiveLength,
-    CostModel,
-    HeuristicLength,
-)
+from specdec.core.adaptive import DEFAULT_DRAFT_CONFIDENCE, AdaptiveLength, HeuristicLength
+from specdec.core.cost_model import CostModel
 from specdec.core.loop import GenerateConfig, GenerationResult, generate
 from specdec.core.policy import FixedLength, LengthPolicy
 from specdec.core.prompt_lookup import DEFAULT_LOOKUP_TOKENS, PromptLookup

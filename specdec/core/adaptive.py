@@ -15,7 +15,7 @@ with the best ratio, every round, from running estimates of both:
   probes keep failing.
 - costs, shared by all sessions of a process (a property of the deployment, not of the
   text): wall time of Propose per k, of Verify per k and the remaining per-round time,
-  each an EMA, optionally seeded from a calibration (MeasuredCosts). Until every k has
+  each an EMA (specdec.core.cost_model), optionally seeded from a calibration. Until every k has
   `min_samples` measurements the policy sweeps the unmeasured ones (a few rounds once per
   process); a k without data is costed by interpolation between measured neighbours.
 
@@ -40,96 +40,22 @@ HeuristicLength is transformers' "+2 after a fully accepted round, -1 otherwise"
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple
 
-from specdec.core.acceptance import ChainAcceptance, SharedChainAcceptances, acceptance_key
+from specdec.core.acceptance import ChainAcceptance, acceptance_key
+from specdec.core.cost_model import DEFAULT_MAX_DRAFT_TOKENS, CostModel
 from specdec.core.interfaces import ForwardBatch, Proposal, Verification
 from specdec.core.policy import FixedLength, LengthPolicy
 from specdec.core.speculation_gate import SpeculationGate
 from specdec.settings import default
 
-DEFAULT_MAX_DRAFT_TOKENS: int = default("max-draft-tokens")
-
-
-class MeasuredCosts(Protocol):
-    """A calibration of forward times (specdec.bench.costs.CostCurve is one)."""
-
-    draft_s: float  # one draft forward
-
-    def t_target(self, k: float) -> float:
-        """One target forward over k new tokens."""
-        ...
-
 
 def expected_tokens(alpha: float, k: int) -> float:
     """(1 - alpha^(k+1)) / (1 - alpha): tokens per round at i.i.d. acceptance alpha."""
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-class CostTable:
-    """EMA seconds per draft length k, with interpolation for lengths not measured yet."""
-
-    def __init__(self, ema: float = 0.2) -> None:
-        self.ema = ema
-        self.mean: dict[int, float] = {}
-        self.count: dict[int, float] = {}
-
-    def observe(self, k: int, seconds: float, weight: float = 1.0) -> None:
-        n = self.count.get(k, 0.0)
-        old = self.mean.get(k, seconds)
-        step = max(self.ema, weight / (n + weight))  # the first samples count fully
-        self.mean[k] = old + step * (seconds - old)
-        self.count[k] = n + weight
-
-    def estimate(self, k: int, proportional: bool = False) -> float | None:
-        if k in self.mean:
-            return self.mean[k]
-        known = sorted(self.mean)
-        if not known:
-            return None
-        below = [j for j in known if j < k]
-        above = [j for j in known if j > k]
-        if below and above:
-            low, high = below[-1], above[0]
-            frac = (k - low) / (high - low)
-            return self.mean[low] + frac * (self.mean[high] - self.mean[low])
-        nearest = below[-1] if below else above[0]
-        if proportional and nearest > 0:  # k forwards of one token each
-            return self.mean[nearest] * k / nearest
-        return self.mean[nearest]
-
-
-class RowCost:
-    """Seconds of a forward against the rows in it: a discounted least-squares line
-    T(R) = fixed + per_row * R over (BatchInfo.rows, forward seconds) observations."""
-
-    def __init__(self, decay: float = 0.995, min_spread: float = 1.0) -> None:
-        self.decay = decay
-        self.min_spread = min_spread  # rows: the standard deviation a slope needs
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
-
-    def observe(self, rows: int, seconds: float) -> None:
-        d = self.decay
-        self._n = self._n * d + 1.0
-        self._x = self._x * d + rows
-        self._y = self._y * d + seconds
-        self._xx = self._xx * d + rows * rows
-        self._xy = self._xy * d + rows * seconds
-
-    def per_row_seconds(self) -> float | None:
-        """The line's slope (never negative), or None until rows have varied enough."""
-        if self._n < 2.0:
-            return None
-        mean_x = self._x / self._n
-        variance = self._xx / self._n - mean_x * mean_x
-        if variance < self.min_spread ** 2:
-            return None
-        covariance = self._xy / self._n - mean_x * self._y / self._n
-        return max(0.0, covariance / variance)
 
 
 @dataclass(frozen=True)
@@ -184,92 +110,20 @@ def shared_rate(expected: float, seconds: float, rows: float, load: SharedLoad,
     return own - lost
 
 
-class CostModel:
-    """Per-deployment round costs, shared across sessions (thread-safe), and the typical
-    acceptance of recent sessions per kind of request, a prior for new sessions."""
-
-    def __init__(self, ema: float = 0.2, acceptance_decay: float = 0.995) -> None:
-        self.draft = CostTable(ema)  # Propose wait for k tokens
-        self.verify = CostTable(ema)  # Verify wait with k draft tokens (k + 1 new)
-        self.overhead = CostTable(ema)  # the rest of a round, under key 0
-        self.rows = RowCost()  # verify forward seconds against the rows it carried
-        self.acceptance_decay = acceptance_decay
-        self._acceptance: dict[str, list[float]] = {}  # key -> [successes, failures]
-        # prompt lookup's per-position acceptance per kind of request (acceptance_key)
-        self.lookup_acceptance = SharedChainAcceptances()
-        self._lock = threading.Lock()
-
-    def record_acceptance(self, key: str, accepted: int, failed: bool) -> None:
-        with self._lock:
-            counts = self._acceptance.setdefault(key, [0.0, 0.0])
-            counts[0] = counts[0] * self.acceptance_decay + accepted
-            counts[1] = counts[1] * self.acceptance_decay + float(failed)
-
-    def acceptance(self, key: str, min_evidence: float = 10.0) -> float | None:
-        with self._lock:
-            successes, failures = self._acceptance.get(key, (0.0, 0.0))
-        total = successes + failures
-        return successes / total if total >= min_evidence else None
-
-    @classmethod
-    def from_curve(cls, curve: MeasuredCosts, max_length: int = DEFAULT_MAX_DRAFT_TOKENS,
-                   weight: float = 0.5) -> CostModel:
-        """Seed from a calibration; weight < 1 lets the first real sample replace it."""
-        model = cls()
-        for k in range(max_length + 1):
-            model.verify.observe(k, curve.t_target(k + 1), weight)
-            if k:
-                model.draft.observe(k, k * curve.draft_s, weight)
-        return model
-
-    def samples(self, k: int) -> float:
-        with self._lock:
-            return self.verify.count.get(k, 0.0)
-
-    def observe(self, k: int, draft_s: float | None, verify_s: float,
-                round_s: float | None) -> None:
-        with self._lock:
-            if draft_s is not None and k > 0:
-                self.draft.observe(k, draft_s)
-            self.verify.observe(k, verify_s)
-            if round_s is not None:
-                self.overhead.observe(0, max(0.0, round_s - verify_s - (draft_s or 0.0)))
-
-    def observe_forward(self, rows: int, forward_s: float) -> None:
-        with self._lock:
-            self.rows.observe(rows, forward_s)
-
-    def per_row_seconds(self) -> float:
-        """What one more row adds to a verify forward: the fitted line's slope, else the
-        growth of the per-k verify costs (each k verifies one more row), else 0."""
-        with self._lock:
-            fitted = self.rows.per_row_seconds()
-            if fitted is not None:
-                return fitted
-            known = sorted(self.verify.mean)
-            if len(known) < 2:
-                return 0.0
-            low, high = known[0], known[-1]
-            return max(0.0, (self.verify.mean[high] - self.verify.mean[low]) / (high - low))
-
-    def round_seconds(self, k: int, drafted: bool = True) -> float | None:
-        """A round verifying k proposed tokens; drafted=False: proposed without the draft
-        model (prompt lookup), so no Propose wait."""
-        with self._lock:
-            verify = self.verify.estimate(k)
-            draft = self.draft.estimate(k, proportional=True) if k and drafted else 0.0
-            overhead = self.overhead.estimate(0) or 0.0
-        if verify is None or draft is None:
-            return None
-        return draft + verify + overhead
-
-
 DEFAULT_MAX_LENGTH: int = default("max-adaptive-length")
 # Adaptive requests end a round's draft after a token the draft gives less than this
 # probability (transformers uses the same for assisted generation): the target rarely
 # agrees with a token its draft was unsure of, so drafting past one rarely pays.
 DEFAULT_DRAFT_CONFIDENCE: float = default("draft-confidence")
 DEFAULT_INITIAL_LENGTH: int = default("num-draft-tokens")
+
+
+class _PendingRound(NamedTuple):
+    k: int  # tokens asked of the draft; for a model-free round, the nodes verified
+    draft_s: float | None
+    verify_s: float
+    other_rows: int  # the other sessions' rows in its forward
+    drafted: bool  # False: a model-free proposal (CostModel.observe_undrafted)
 
 
 class AdaptiveLength:
@@ -301,15 +155,15 @@ class AdaptiveLength:
         self.successes = 0.0  # discounted accepted proposals
         self.failures = 0.0  # discounted rejections (rounds that stopped early)
         self.chain = ChainAcceptance(max_length, decay)
-        self.rounds = 0
+        self.rounds = 0  # drafting rounds (observe)
+        self._verified = 0  # every round verified, model-free ones (observe_undrafted) too
         # The length chosen for each round the policy ran (observe), in order; a round
         # that verified a prompt-lookup hit instead never reaches the policy.
         self.chosen: list[int] = []
         self._choice: int | None = None
         self._round_started: float | None = None
-        # The previous round's (k, draft wait, verify wait, other sessions' rows in its
-        # forward), costed once the round's wall time is known.
-        self._last: tuple[int, float | None, float, int] | None = None
+        # The previous round, costed once its wall time is known.
+        self._last: _PendingRound | None = None
         # Load: the coordinator's count of running generations (None: not known), and
         # what the next forward is expected to hold, from the last Verify's BatchInfo.
         self.running = running
@@ -452,13 +306,17 @@ class AdaptiveLength:
     # -- LengthPolicy ----------------------------------------------------------------------
     def next_length(self) -> int:
         now = self._clock()
-        if self._last is not None and self._round_started is not None and self.rounds > 1:
-            k, draft_s, verify_s, other_rows = self._last  # now that its wall is known
+        if self._last is not None and self._round_started is not None:
+            last = self._last  # now that its wall is known
             # The per-k costs are the session's own: what the others' rows added to its
             # forward is taken out (and added back for the load of each round chosen).
-            shared = self.costs.per_row_seconds() * other_rows
-            self.costs.observe(k, draft_s, max(0.0, verify_s - shared),
-                               max(0.0, now - self._round_started - shared))
+            shared = self.costs.per_row_seconds() * last.other_rows
+            verify_s = max(0.0, last.verify_s - shared)
+            round_s = max(0.0, now - self._round_started - shared)
+            if last.drafted:
+                self.costs.observe(last.k, last.draft_s, verify_s, round_s)
+            else:
+                self.costs.observe_undrafted(last.k, verify_s, round_s)
         self._last = None
         self._round_started = now
         self._running_at_call = self.running() if self.running is not None else 0
@@ -528,6 +386,23 @@ class AdaptiveLength:
             self._choice = None
         if proposal is not None and proposal.tokens:
             self._observe_alternatives(len(proposal.alternatives), verification.kept_branches)
+        if asked > 0:  # evidence ages per drafting round: k = 0 rounds teach nothing
+            self.successes = self.successes * self.decay + accepted_len
+            self.failures = self.failures * self.decay + (1.0 if accepted_len < asked else 0.0)
+            self.chain.record(asked, accepted_len)
+            self.costs.record_acceptance(self.prior_key, accepted_len, accepted_len < asked)
+        self._observe_round(asked, proposal, verification, drafted=True)
+
+    def observe_undrafted(self, proposal: Proposal, verification: Verification) -> None:
+        """A round that verified a model-free proposal (prompt lookup, the suffix cache)
+        instead of drafting: its costs and load only; its acceptance is its proposer's."""
+        self._choice = None
+        self._observe_round(len(proposal.tokens) + len(proposal.alternatives), proposal,
+                            verification, drafted=False)
+
+    def _observe_round(self, k: int, proposal: Proposal | None, verification: Verification,
+                       drafted: bool) -> None:
+        self._verified += 1
         own_rows = 1 + (len(proposal.tokens) + len(proposal.alternatives) if proposal else 0)
         batch = verification.batch
         running_now = self.running() if self.running is not None else 0
@@ -535,17 +410,12 @@ class AdaptiveLength:
         if not self.load.alone:  # what the others draft: their rows less the one verified
             self._reference = max(0, min(self.max_length,
                                          round(self.load.rows_per_other) - 1))
-        if asked > 0:  # evidence ages per drafting round: k = 0 rounds teach nothing
-            self.successes = self.successes * self.decay + accepted_len
-            self.failures = self.failures * self.decay + (1.0 if accepted_len < asked else 0.0)
-            self.chain.record(asked, accepted_len)
-            self.costs.record_acceptance(self.prior_key, accepted_len, accepted_len < asked)
         resynced = verification.resyncs or (proposal is not None and proposal.resyncs)
         # Round 1 carries the prompt's prefill; a resync re-sends the history: not typical.
-        if self.rounds > 1 and not resynced:
+        if self._verified > 1 and not resynced:
             other_rows = max(0, batch.rows - own_rows) if batch.known else 0
-            self._last = (asked, proposal.elapsed_s if proposal else None,
-                          verification.elapsed_s, other_rows)
+            self._last = _PendingRound(k, proposal.elapsed_s if proposal and drafted else None,
+                                       verification.elapsed_s, other_rows, drafted)
             if batch.known and verification.forward_s > 0:
                 self.costs.observe_forward(batch.rows, verification.forward_s)
 

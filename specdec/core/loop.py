@@ -293,9 +293,11 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             if drafted is not None and gen.suffix_evidence is not None:
                 gen.suffix_evidence.observe(drafted, emitted)
             gen.record(proposal, verification)
-            if not looked_up:  # the policy's evidence and costs are the draft model's
+            if not looked_up:  # the policy's acceptance evidence is the draft model's
                 gen.policy.observe(asked if proposal else 0, verification.accepted_tokens,
                                    proposal, verification)
+            elif isinstance(gen.policy, CostedPolicy):
+                gen.policy.observe_undrafted(proposal, verification)  # type: ignore[arg-type]
             emitted = gen.cut_at_stop_string(emitted, position_before)
             if on_round is not None:
                 bonus = bool(draft_tokens) and verification.accepted_len == len(draft_tokens)

@@ -38,6 +38,11 @@ class CostedPolicy(Protocol):
         (prompt lookup, suffix cache) that is expected to emit expected_tokens."""
         ...
 
+    def observe_undrafted(self, proposal: Proposal, verification: Verification) -> None:
+        """A round verified `proposal`, made without the draft model, instead of
+        drafting: what it cost prices the next model-free rounds."""
+        ...
+
 
 def best_undrafted_length(available: int, expected_tokens: Callable[[int], float],
                           value: Callable[[int, float], float | None],
