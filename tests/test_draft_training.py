@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from specdec.draft_training.card import _reproduce_lines, write_model_card
 from specdec.draft_training.datagen import generate_shards
 from specdec.draft_training.train import _loss, load_shards, make_draft, records_of, train
+from specdec.engine.token_map import input_rows
 from tests.tiny_models import save_tiny_pair
 
 
@@ -87,12 +88,11 @@ def test_training_continues_the_given_draft(target_and_data: tuple[Path, Path],
     assert "old figures" not in card
 
     def mean_loss(draft_dir: Path) -> float:
-        from transformers import LlamaForCausalLM
+        from transformers import LlamaConfig, LlamaForCausalLM
 
         draft = LlamaForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
         unk_row = len(token_map)
-        input_map = torch.full((49152,), unk_row)
-        input_map[torch.tensor(token_map)] = torch.arange(unk_row)
+        input_map = input_rows(token_map, LlamaConfig.from_pretrained(target).vocab_size)
         with torch.no_grad():
             return float(_loss(draft, records, input_map, unk_row))
 

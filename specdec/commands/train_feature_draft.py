@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
                                             time_budget_s=args.hidden_budget_s)
     if "train" in args.stages:
         summary = feature_train.train_feature_draft(
-            work_dir / "data", hidden_dir, work_dir, out_dir, str(models.resolve(args.init_from)),
-            epochs=args.epochs, lr=args.lr, regression_weight=args.regression_weight)
+            target_dir, work_dir / "data", hidden_dir, work_dir, out_dir,
+            str(models.resolve(args.init_from)), epochs=args.epochs, lr=args.lr,
+            regression_weight=args.regression_weight)
         print(json.dumps(summary, indent=2))
     if "eval" in args.stages:
         report = evaluate_draft(target_dir, out_dir, args.eval_prompts)

@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.draft_training.optimise import optimise
-from specdec.draft_training.train import Record, draft_input_map, shard_paths
+from specdec.draft_training.train import Record, shard_paths
 from specdec.engine.feature_draft import (
     TARGET_HIDDEN_SCALE_KEY,
     TARGET_HIDDEN_SIZE_KEY,
     FeatureDraftForCausalLM,
 )
-from specdec.engine.token_map import read_token_map, write_token_map
+from specdec.engine.token_map import input_rows, read_token_map, write_token_map
 
 
 def extract_hidden_states(target_dir: str, data_dir: Path, hidden_dir: Path,
@@ -172,9 +172,9 @@ def feature_draft_loss(draft: FeatureDraftForCausalLM, batch: list[Record],
     return loss, float(cross_entropy.detach()), float(regression.detach())
 
 
-def train_feature_draft(data_dir: Path, hidden_dir: Path, work_dir: Path, out_dir: Path,
-                        init_from: str, *, epochs: float = 3.0, batch_size: int = 16,
-                        lr: float = 2e-4, regression_weight: float = 0.1,
+def train_feature_draft(target_dir: str, data_dir: Path, hidden_dir: Path, work_dir: Path,
+                        out_dir: Path, init_from: str, *, epochs: float = 3.0,
+                        batch_size: int = 16, lr: float = 2e-4, regression_weight: float = 0.1,
                         checkpoint_every_s: float = 300.0) -> dict[str, Any]:
     """Extend the token-only draft in init_from (feature_draft_from_token_draft)."""
     started = time.monotonic()
@@ -183,7 +183,7 @@ def train_feature_draft(data_dir: Path, hidden_dir: Path, work_dir: Path, out_di
     checkpoint = work_dir / "feature-checkpoint.pt"
     token_map = read_token_map(Path(init_from))
     unk_row = len(token_map)
-    input_map = draft_input_map(token_map)
+    input_map = input_rows(token_map, int(LlamaConfig.from_pretrained(target_dir).vocab_size))
     sample = torch.cat([r["hidden"].float() for r in records[:64]])
     draft = feature_draft_from_token_draft(init_from, int(sample.shape[-1]),
                                            float(sample.pow(2).mean().sqrt()))

@@ -32,6 +32,7 @@ from specdec.draft_training.train import Record, right_pad
 from specdec.engine.extend import ExtendRequest
 from specdec.engine.hidden_states import Capture
 from specdec.engine.runner import ModelRunner
+from specdec.engine.token_map import input_rows
 
 
 def top_k_labels(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +160,7 @@ class DraftWrittenProducer:
         self.target, self.draft = target, draft.eval()
         self.token_map = torch.tensor(token_map)
         self.unk_row = len(token_map)
-        self.input_map = torch.full((int(target.config.vocab_size),), self.unk_row)
-        self.input_map[self.token_map] = torch.arange(self.unk_row)
+        self.input_map = input_rows(token_map, int(target.config.vocab_size))
         self.end, self.top_k, self.max_new_tokens = end, top_k, max_new_tokens
 
     def load_draft_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -66,7 +66,12 @@ from specdec.draft_training.train import (
 )
 from specdec.engine.eagle3 import Eagle3DraftForCausalLM
 from specdec.engine.models import parse_device
-from specdec.engine.token_map import has_token_map, read_token_map, write_token_map
+from specdec.engine.token_map import (
+    has_token_map,
+    input_rows,
+    read_token_map,
+    write_token_map,
+)
 
 CHECKPOINT_FILE = "stream_checkpoint.pt"
 HELD_OUT_FILE = "held_out_chat.pt"
@@ -306,8 +311,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
         source, records, settings, weights, progress.batches)
     producer.start()
     unk_row = len(token_map)
-    input_map = torch.full((int(target.config.vocab_size),), unk_row)
-    input_map[torch.tensor(token_map)] = torch.arange(unk_row)
+    input_map = input_rows(token_map, int(target.config.vocab_size))
     draft_rows = torch.where(input_map == unk_row, -1, input_map)  # EAGLE-3: no UNK row
     reusable: deque[tuple[Record, int]] = deque()  # (record, times used)
     losses: deque[float] = deque(maxlen=50)

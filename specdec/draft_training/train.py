@@ -21,7 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.draft_training.optimise import optimise
-from specdec.engine.token_map import has_token_map, read_token_map, write_token_map
+from specdec.engine.token_map import has_token_map, input_rows, read_token_map, write_token_map
 
 Record = dict[str, torch.Tensor]
 
@@ -101,15 +101,6 @@ def _batches(records: list[Record], batch_size: int, rng: random.Random) -> list
     return batches
 
 
-def draft_input_map(token_map: list[int], target_vocab_size: int = 49152) -> torch.Tensor:
-    """Target id -> draft input row: token_map's rows, and the UNK row (len(token_map))
-    for every other id below max(target_vocab_size, the largest mapped id + 1)."""
-    unk_row = len(token_map)
-    input_map = torch.full((max(target_vocab_size, max(token_map) + 1),), unk_row)
-    input_map[torch.tensor(token_map)] = torch.arange(unk_row)
-    return input_map
-
-
 def right_pad(sequences: Sequence[torch.Tensor], pad: float = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequences stacked along a new first dimension, right-padded with `pad` to the
@@ -187,7 +178,7 @@ def train(target_dir: str, data_dir: Path, work_dir: Path, out_dir: Path, *,
         draft = make_draft(target_dir, token_map, num_layers)
     write_token_map(work_dir, token_map)
     unk_row = len(token_map)
-    input_map = draft_input_map(token_map)
+    input_map = input_rows(token_map, int(LlamaConfig.from_pretrained(target_dir).vocab_size))
     rng = random.Random(0)
     steps_per_epoch = math.ceil(len(records) / batch_size)
     total_steps = int(steps_per_epoch * epochs)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.engine.token_map import input_rows
+
 
 class VocabAdapter:
     def __init__(self, model_rows: int, target_vocab_size: int,
@@ -24,8 +26,7 @@ class VocabAdapter:
             self.usable_rows = min(model_rows, target_vocab_size)
             self._input_map: torch.Tensor | None = None
         else:
-            if int(token_map.max()) >= target_vocab_size or int(token_map.min()) < 0:
-                raise ValueError("token_map names ids outside the target vocabulary")
+            rows = input_rows(token_map, target_vocab_size)  # checks the ids
             # Rows beyond the map (the UNK input row, padding) are never proposed.
             self.usable_rows = token_map.shape[0]
             self._input_map = None
@@ -34,8 +35,7 @@ class VocabAdapter:
             unk_row = token_map.shape[0]
             if model_rows <= unk_row:
                 raise ValueError(f"reduced-vocab draft needs an UNK row at {unk_row}")
-            self._input_map = torch.full((target_vocab_size,), unk_row, dtype=torch.long)
-            self._input_map[token_map] = torch.arange(token_map.shape[0])
+            self._input_map = rows
 
     def to_model_inputs(self, target_ids: torch.Tensor) -> torch.Tensor:
         if self._input_map is None:
