@@ -350,6 +350,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                     acceptance_key(valid.sampling.greedy),
                                     self.settings.max_draft_tokens),
                                 suffix=self._suffix(valid, tenant),
+                                suffix_calibration=self.costs.suffix_calibration.get(
+                                    acceptance_key(valid.sampling.greedy)),
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)
         loop_drafter: Drafter | None = drafter

@@ -7,6 +7,7 @@ import pytest
 import torch
 from exact_law import chi_square_pvalue
 
+from specdec.core.acceptance import SharedCalibration
 from specdec.core.history import TokenHistory
 from specdec.core.sampling import SamplingParams
 from specdec.core.stats import SUFFIX
@@ -182,6 +183,32 @@ def test_evidence_compares_scores_with_what_the_target_kept() -> None:
     nodes, value = evidence.nodes_to_use(draft, flat, rival=1.0)
     assert nodes == len(draft) and value == pytest.approx(evidence.expected_tokens(draft, nodes))
     assert evidence.nodes_to_use(draft, flat, rival=100.0) == (0, None)
+
+
+def test_a_new_sessions_suffix_calibration_starts_from_the_deployments() -> None:
+    """Sessions of one deployment record into a shared calibration; a new session starts
+    from what it measured (here: drafts keep about a third of their score), not from the
+    fixed prior, so it declines a draft the prior would have taken."""
+    tree = SuffixTree(8)
+    tree.add([1, 2, 3, 4, 1, 2, 3, 5])
+    draft = speculate(tree, [1, 2], 4, 8, 2.0, 0.1)  # scores 1 + 0.5 + 0.5 + 0.5
+    assert draft is not None
+    shared = SharedCalibration(min_scored=10.0)
+    assert shared.rate() is None
+    earlier = SuffixEvidence(shared=shared)
+    for index in range(20):  # one round in five keeps 2 of 2.5 scored, the rest 0 of 1
+        earlier.observe(draft, [3, 5, 0] if index % 5 == 0 else [7])
+    rate = shared.rate()
+    assert rate == pytest.approx(2 / 6.5, rel=0.05)
+    new = SuffixEvidence(prior=0.8, prior_strength=2.0, shared=shared)
+    guess = SuffixEvidence(prior=0.8, prior_strength=2.0)  # no deployment
+    assert new.calibration == pytest.approx(rate) and guess.calibration == pytest.approx(0.8)
+
+    def costed(nodes: int, expected: float) -> float:  # a round costs 1 + nodes / 4 s
+        return expected / (1 + nodes / 4)
+
+    assert guess.nodes_to_use(draft, costed, rival=1.1)[0] > 0
+    assert new.nodes_to_use(draft, costed, rival=1.1) == (0, None)
 
 
 # -- deterministic siblings: accept x_r with p_r(x_r), else remove x_r -------------------

@@ -11,8 +11,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_greedy_and_kv import PROMPT, hf_greedy
 from tiny_models import tiny_llama
 
+from specdec.core.acceptance import SharedCalibration
+from specdec.core.adaptive import AdaptiveLength
+from specdec.core.cost_model import CostModel
 from specdec.core.interfaces import Proposal, Verification
 from specdec.core.loop import GenerateConfig, GenerationResult, RoundEvent, generate
+from specdec.core.policy import FixedLength
 from specdec.core.prompt_lookup import PromptLookup
 from specdec.core.sampling import SamplingParams
 from specdec.core.stats import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
@@ -113,6 +117,24 @@ def test_each_round_proposes_from_one_source_and_says_which() -> None:
     assert attributes[names.SOURCE] == SUFFIX and attributes[names.ASKED] == 0
     assert attributes[names.ACCEPTED] == event.accepted_len
     assert {DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX} >= sources
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_only_adaptive_requests_share_the_suffix_calibration(adaptive: bool) -> None:
+    """As for lookup: a fixed-length request neither reads nor feeds the deployment's
+    calibration, so its choices do not follow other requests."""
+    target, draft = tiny_llama(16, seed=3), tiny_llama(16, seed=4, layers=1)
+    prompt = PROMPT * 2
+    cache = SuffixCache(max_depth=12, max_requests=4)
+    cache.add("", hf_greedy(target, prompt, 40)[10:])
+    shared = SharedCalibration(min_scored=1e-9)
+    policy = AdaptiveLength(2, 4, costs=CostModel()) if adaptive else FixedLength(2)
+    result = generate(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
+                      prompt, GenerateConfig(max_new_tokens=40, num_draft_tokens=2,
+                                             suffix=SuffixProposer(16, 8, cache, max_depth=12),
+                                             suffix_calibration=shared), policy=policy)
+    assert result.stats.suffix_drafts > 0 or adaptive
+    assert (shared.rate() is not None) == adaptive
 
 
 def test_metrics_count_drafted_and_accepted_tokens_per_source() -> None:

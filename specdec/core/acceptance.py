@@ -9,7 +9,8 @@ per recorded round, so code, lists and prose each pull the estimate their way in
 The draft model's adaptive length (specdec.core.adaptive) and the prompt-lookup gate
 (specdec.core.prompt_lookup) each keep one per session. SharedChainAcceptance is one fed by
 every session of a deployment: a new session's lookup estimate starts from the rates this
-deployment's text has shown rather than from a fixed guess.
+deployment's text has shown rather than from a fixed guess. SharedCalibration does the same
+for the suffix cache's calibration of its drafts' scores (kept tokens per scored token).
 """
 
 from __future__ import annotations
@@ -102,6 +103,39 @@ class SharedChainAcceptances:
             if shared is None or shared.max_length < max_length:
                 shared = self._by_key[key] = SharedChainAcceptance(max_length)
             return shared
+
+
+class SharedCalibration:
+    """A ratio kept / scored that every session of a deployment records into (thread-safe),
+    discounted slowly, so it holds the last few hundred rounds of all of them."""
+
+    def __init__(self, decay: float = 0.995, min_scored: float = 10.0) -> None:
+        self.decay = decay
+        self.min_scored = min_scored
+        self._kept = self._scored = 0.0
+        self._lock = threading.Lock()
+
+    def record(self, kept: float, scored: float) -> None:
+        with self._lock:
+            self._kept = self._kept * self.decay + kept
+            self._scored = self._scored * self.decay + scored
+
+    def rate(self) -> float | None:
+        """kept / scored; None until min_scored (discounted) is recorded."""
+        with self._lock:
+            return self._kept / self._scored if self._scored >= self.min_scored else None
+
+
+class SharedCalibrations:
+    """A SharedCalibration per kind of request (acceptance_key), made on first use."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, SharedCalibration] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> SharedCalibration:
+        with self._lock:
+            return self._by_key.setdefault(key, SharedCalibration())
 
 
 def acceptance_key(greedy: bool) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from specdec.core.acceptance import SharedChainAcceptances
+from specdec.core.acceptance import SharedCalibrations, SharedChainAcceptances
 from specdec.settings import default
 
 DEFAULT_MAX_DRAFT_TOKENS: int = default("max-draft-tokens")
@@ -106,6 +106,8 @@ class CostModel:
         self._acceptance: dict[str, list[float]] = {}  # key -> [successes, failures]
         # prompt lookup's per-position acceptance per kind of request (acceptance_key)
         self.lookup_acceptance = SharedChainAcceptances()
+        # the suffix cache's calibration of its drafts' scores, per kind of request
+        self.suffix_calibration = SharedCalibrations()
         self._lock = threading.Lock()
 
     def record_acceptance(self, key: str, accepted: int, failed: bool) -> None:

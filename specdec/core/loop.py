@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdec.core.acceptance import SharedChainAcceptance
+from specdec.core.acceptance import SharedCalibration, SharedChainAcceptance
 from specdec.core.history import FINAL_STATE, HiddenStateLog, TokenHistory
 from specdec.core.interfaces import Drafter, DraftUnavailable, Proposal, Verification, Verifier
 from specdec.core.offers import Offer, lookup_offer, suffix_offer
@@ -53,6 +53,8 @@ class GenerateConfig:
     # adaptive request's lookup estimate; a fixed-length request keeps its own, so that
     # its choices do not follow other requests.
     lookup_acceptance: SharedChainAcceptance | None = None
+    # The same for the suffix cache's calibration (CostModel.suffix_calibration).
+    suffix_calibration: SharedCalibration | None = None
     eos_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     session_id: str = ""
@@ -326,7 +328,9 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
         committed.target_hidden = HiddenStateLog(getattr(drafter, "target_hidden_spec",
                                                          FINAL_STATE))
     policy = policy or FixedLength(config.num_draft_tokens)
-    shared_lookup = config.lookup_acceptance if isinstance(policy, CostedPolicy) else None
+    costed = isinstance(policy, CostedPolicy)
+    shared_lookup = config.lookup_acceptance if costed else None
+    shared_suffix = config.suffix_calibration if costed else None
     return _Generation(
         drafter, verifier, config,
         policy=policy,
@@ -339,4 +343,5 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
         num_alternatives=config.num_alternatives,
         lookup_evidence=(LookupEvidence(config.prompt_lookup.max_tokens, shared=shared_lookup)
                          if config.prompt_lookup is not None else None),
-        suffix_evidence=SuffixEvidence() if config.suffix is not None else None)
+        suffix_evidence=(SuffixEvidence(shared=shared_suffix)
+                         if config.suffix is not None else None))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.core.acceptance import SharedCalibration
 from specdec.core.history import TokenHistory
 from specdec.core.interfaces import Proposal
 from specdec.core.policy import best_undrafted_length
@@ -93,14 +94,18 @@ class SuffixEvidence:
 
     A round's score counts only nodes no deeper than the emitted tokens reach (the rest
     could not be judged); kept = the matched depth. Every round with a draft is evidence,
-    used or not (as for LookupEvidence). The calibration is discounted per round and
-    starts from a prior of `prior` kept per scored token."""
+    used or not (as for LookupEvidence). The counts are discounted per round and shrunk
+    towards a prior mean with the weight of `prior_strength` scored tokens: the
+    deployment's calibration (`shared`, recorded into as well) once it is measured, else
+    `prior` kept per scored token."""
 
-    def __init__(self, prior: float = 0.8, prior_strength: float = 2.0,
-                 decay: float = 0.95) -> None:
-        self.kept = prior * prior_strength
-        self.scored = prior_strength
+    def __init__(self, prior: float = 0.8, prior_strength: float = 2.0, decay: float = 0.95,
+                 shared: SharedCalibration | None = None) -> None:
+        self.prior = prior
+        self.prior_strength = prior_strength
         self.decay = decay
+        self.shared = shared
+        self.kept = self.scored = 0.0
 
     def observe(self, draft: SuffixDraft, emitted: Sequence[int]) -> None:
         kept, judged = matched_depth(draft, emitted)
@@ -108,10 +113,14 @@ class SuffixEvidence:
                      if draft.depth(index) <= judged)
         self.kept = self.kept * self.decay + kept
         self.scored = self.scored * self.decay + scored
+        if self.shared is not None:
+            self.shared.record(kept, scored)
 
     @property
     def calibration(self) -> float:
-        return self.kept / self.scored if self.scored > 0 else 0.0
+        measured = self.shared.rate() if self.shared is not None else None
+        prior = self.prior if measured is None else measured
+        return (self.kept + prior * self.prior_strength) / (self.scored + self.prior_strength)
 
     def expected_tokens(self, draft: SuffixDraft, nodes: int) -> float:
         """Tokens a round verifying the draft's first `nodes` nodes emits on average."""
