@@ -95,7 +95,7 @@ def test_greedy_with_prompt_lookup_equals_target_greedy(make_target, num_draft_t
         assert any(e.proposal is not None and e.proposal.source == DRAFT_MODEL for e in events)
 
 
-def test_lookup_rounds_do_not_feed_the_adaptive_policy() -> None:
+def test_lookup_rounds_feed_the_policys_costs_not_the_drafts_evidence() -> None:
     target, draft = tiny_llama(16, seed=3), tiny_llama(16, seed=4, layers=1)
     policy = AdaptiveLength(2, 4, costs=CostModel())
     tokens, events = _events(target, draft, 2, PromptLookup(16, max_tokens=5, min_ngram=1),
@@ -103,6 +103,9 @@ def test_lookup_rounds_do_not_feed_the_adaptive_policy() -> None:
     drafted = [e for e in events if e.proposal is None or e.proposal.source != PROMPT_LOOKUP]
     assert len(drafted) < len(events)
     assert policy.rounds == len(drafted)
+    looked_up = {len(e.proposal.tokens) for e in events[1:-1]
+                 if e.proposal is not None and e.proposal.source == PROMPT_LOOKUP}
+    assert policy.costs.undrafted.mean and set(policy.costs.undrafted.mean) <= looked_up
     # The choices the bench reports are those of the rounds the policy ran, in order (the
     # loop caps a choice at the tokens still to generate, less the round's own one).
     prompt_len = len(PROMPT * 2)

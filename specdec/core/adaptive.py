@@ -157,8 +157,8 @@ class AdaptiveLength:
         self.chain = ChainAcceptance(max_length, decay)
         self.rounds = 0  # drafting rounds (observe)
         self._verified = 0  # every round verified, model-free ones (observe_undrafted) too
-        # The length chosen for each round the policy ran (observe), in order; a round
-        # that verified a prompt-lookup hit instead never reaches the policy.
+        # The length chosen for each drafting round (observe), in order; a round that
+        # verified a model-free proposal instead (observe_undrafted) is not in it.
         self.chosen: list[int] = []
         self._choice: int | None = None
         self._round_started: float | None = None
