@@ -203,6 +203,28 @@ def test_prometheus_counters_equal_response_stats(served: dict) -> None:
         s.rounds for s in both)
 
 
+def test_forward_stats_from_the_trace_equal_the_targets_histograms(served: dict) -> None:
+    """The load report's view of the target's forwards (specdec.bench.forwards) reads its
+    Verify spans; over the whole run it counts the forwards, rows and forward seconds the
+    target's own histograms counted."""
+    from specdec.bench.forwards import forward_stats
+
+    spans = served["spans"]
+    start, end = min(s.start_ns for s in spans), max(s.end_ns for s in spans) + 1
+    stats = forward_stats(spans, start, end)
+    assert stats is not None
+    target = served["metrics"]["target"]
+    forwards = target[("specdec_batch_sessions_count", ())]
+    assert stats.forwards == pytest.approx(forwards) and forwards == sum(
+        s.rounds for s in (served["unary"].stats, served["stream"].stats))
+    assert stats.sessions_per_forward == pytest.approx(1.0)  # one request at a time
+    assert stats.rows_per_forward * forwards == pytest.approx(
+        target[("specdec_batch_rows_sum", ())])
+    assert stats.ms_per_forward * forwards == pytest.approx(
+        1000 * target[("specdec_forward_seconds_sum", ())], rel=1e-3)
+    assert 0 < stats.busy < 1
+
+
 def test_traces_command_renders_the_request(served: dict,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     trace_id = served["unary"].trace_id

@@ -130,6 +130,7 @@ class LevelRun:
     wall_s: float
     records: list[RequestRecord]
     workload: str = "prompts"
+    window_ns: tuple[int, int] = (0, 0)  # wall clock (time.time_ns) at its start and end
 
 
 def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int,
@@ -218,7 +219,7 @@ def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
                 records.append(record)
             on_done(record)
 
-    started = time.perf_counter()
+    started, started_ns = time.perf_counter(), time.time_ns()
     threads = [threading.Thread(target=client, name=f"load-client-{i}", daemon=True)
                for i in range(concurrency)]
     for thread in threads:
@@ -230,7 +231,8 @@ def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
         while not work.empty():
             work.get_nowait()
         raise
-    return LevelRun(mode.name, concurrency, time.perf_counter() - started, records, workload)
+    return LevelRun(mode.name, concurrency, time.perf_counter() - started, records, workload,
+                    (started_ns, time.time_ns()))
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -264,7 +266,7 @@ def summarise_level(run: LevelRun, serial: dict[str, list[int]]) -> dict[str, An
     return {
         "mode": run.mode, "concurrency": run.concurrency, "workload": run.workload,
         "requests": len(run.records),
-        "completed": len(ok), "wall_s": round(run.wall_s, 3),
+        "completed": len(ok), "wall_s": round(run.wall_s, 3), "window_ns": list(run.window_ns),
         "output_tokens": output_tokens,
         "output_throughput": round(output_tokens / run.wall_s, 2) if run.wall_s > 0 else 0.0,
         "request_throughput": round(len(ok) / run.wall_s, 3) if run.wall_s > 0 else 0.0,
@@ -430,6 +432,8 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
               "|" + "---|" * len(columns)]
     for row in report["levels"]:
         lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in columns) + " |")
+    lines += _forward_table(report["levels"], [column for column in columns if column[0] in
+                                                ("concurrency", "mode", "workload")])
     errors = [(row["mode"], row["concurrency"], row["errors"]) for row in report["levels"]
               if row["errors"]]
     lines += ["", "Errors by status code: " + ("; ".join(
@@ -440,6 +444,27 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         "1). ITL: gaps between stream messages (one per round). mismatches: outputs that differ "
         "from the serial target-only output of the same prompt (must be 0).", ""]
     return "\n".join(lines)
+
+
+FORWARD_COLUMNS = (("target_forwards", "forwards"), ("target_busy", "target busy"),
+                   ("sessions_per_forward", "sessions/forward"),
+                   ("rows_per_forward", "rows/forward"), ("ms_per_forward", "ms/forward"))
+
+
+def _forward_table(rows: list[dict[str, Any]], keys: list[tuple[str, str]]) -> list[str]:
+    """The target's forwards per phase (specdec.bench.forwards), where its trace had them."""
+    if not any("target_busy" in row for row in rows):
+        return []
+    columns = [*keys, *FORWARD_COLUMNS]
+    lines = ["", "The target's forwards in each phase, from its trace: target busy = forward "
+             "time over the phase's wall time; rows include prefill.", "",
+             "| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        if "target_busy" in row:
+            cells = [f"{row[key]:.0%}" if key == "target_busy" else _cell(row.get(key))
+                     for key, _ in columns]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _sampling(settings: dict[str, Any]) -> str:

@@ -327,8 +327,21 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
                                     "draft_model": args.draft_model, "dtype": args.dtype})
     finally:
         if stack is not None:
-            stack.close()
+            stack.close()  # the services flush their traces as they stop
+    if stack is not None:
+        _add_forward_stats(report)
     paths = write_outputs(report, Path(args.out), command)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _add_forward_stats(report: dict[str, Any]) -> None:
+    """The target's forwards per phase (specdec.bench.forwards), from the trace file its
+    service wrote, when there is one."""
+    from specdec.bench.forwards import with_forward_stats
+    from specdec.telemetry.reader import load_spans
+
+    path = Path(os.environ.get("SPECDEC_TRACE_DIR", "")) / "target.jsonl"
+    if os.environ.get("SPECDEC_TRACE_DIR") and path.is_file():
+        with_forward_stats(report["levels"], load_spans([path]))
