@@ -368,7 +368,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         adaptive = isinstance(policy, AdaptiveLength)
 
         def on_round(event: RoundEvent) -> None:
-            self.gate.record(len(event.emitted), self.admission.running, gated=adaptive)
+            self.gate.record(len(event.emitted), self.admission.running, gated=adaptive,
+                             first_round=event.index == 0)
             if observed is not None:  # record the round even if the client has gone
                 if isinstance(policy, AdaptiveLength) and observed.tracer is not None:
                     observed.tracer.annotate_round(load_attributes(policy))

@@ -107,6 +107,31 @@ def test_epochs_that_are_not_fair_samples_are_not_counted() -> None:
                for epochs in (on, off))
 
 
+def test_an_epoch_that_prefilled_a_burst_of_prompts_is_not_a_sample() -> None:
+    """Eight clients starting at once spend the epoch on their prompts' prefills, which
+    slows whichever arm plays: more first rounds than a quarter of the running
+    generations (and more than one) make the epoch no sample; the odd arrival does not."""
+    clock = Clock()
+    gate = SpeculationGate(epoch_s=1.0, clock=clock)
+
+    def epoch(first_rounds: int) -> int:
+        """One epoch of 20 rounds; the number of epochs counted so far."""
+        start = clock.now
+        for index in range(20):
+            clock.now = start + index * 0.045
+            gate.allows(8)
+            gate.record(2, 8, first_round=index < first_rounds)
+        clock.now = start + 1.001
+        gate.allows(8)  # closes it and opens the next
+        return sum(on + off for _, on, _, off in gate.snapshot().values())
+
+    gate.allows(8)  # the first epoch opens
+    assert epoch(8) == 0  # a burst: 8 prefills among 8 running
+    assert epoch(3) == 0  # still more than a quarter
+    assert epoch(2) == 1
+    assert epoch(0) == 2
+
+
 class ClosedGate(SpeculationGate):
     def allows(self, running: int) -> bool:
         return False

@@ -21,8 +21,11 @@ nearest lower level's choice (drafting pays less as load grows).
 
 An epoch counts at the level of its mean load, and only if the load stayed within a
 factor of two through it, only adaptive sessions produced tokens in it (a fixed-length
-request is the client's choice, not the gate's), and it was not an idle gap. Either arm
-is exact: the gate only chooses k = 0.
+request is the client's choice, not the gate's), it was not an idle gap, and no burst of
+new requests' prompts was prefilled in it (more first rounds than BURST_SHARE of the
+running generations, at least one): a burst's prefills slow whichever arm is playing, and
+one such sample can keep the wrong arm until the next re-test. Either arm is exact: the
+gate only chooses k = 0.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ MIN_EPOCHS = 2
 IDLE_FACTOR = 3.0
 # How far ahead (a fraction of its rate) the other arm must be for a level to switch.
 SWITCH_MARGIN = 0.05
+# An epoch in which more first rounds (each a prompt's prefill) ended than this share of
+# the running generations, and more than one, is a burst of arrivals: not a sample.
+BURST_SHARE = 0.25
 
 
 def load_level(running: int) -> int:
@@ -108,6 +114,7 @@ class SpeculationGate:
         self._level = 0
         self._on = True
         self._tokens = 0
+        self._first_rounds = 0  # rounds in the epoch that carried a prompt's prefill
         self._load = 0.0  # running generations, smoothed
         self._samples, self._sum = 0, 0.0  # running generations seen in the epoch
         self._low, self._high = 1 << 30, 0
@@ -121,12 +128,15 @@ class SpeculationGate:
             self._advance(running)
             return self._on
 
-    def record(self, tokens: int, running: int, gated: bool = True) -> None:
+    def record(self, tokens: int, running: int, gated: bool = True,
+               first_round: bool = False) -> None:
         """A round of some generation emitted `tokens`; gated: it was an adaptive
-        session's (one that asks `allows`)."""
+        session's (one that asks `allows`); first_round: the generation's first, which
+        carried its prompt's prefill."""
         with self._lock:
             self._advance(running)
             self._tokens += tokens
+            self._first_rounds += first_round
             if not gated:
                 self._counts = False
 
@@ -153,16 +163,18 @@ class SpeculationGate:
         elapsed = now - self._start
         if elapsed < self.epoch_s:
             return
+        mean_running = self._sum / self._samples
         if (self._counts and self._tokens > 0 and elapsed <= IDLE_FACTOR * self.epoch_s
-                and self._high <= 2 * self._low):  # else the load moved within the epoch
-            held = load_level(round(self._sum / self._samples))
-            self._close(held, self._tokens / elapsed)
+                and self._high <= 2 * self._low  # else the load moved within the epoch
+                and self._first_rounds <= max(1.0, BURST_SHARE * mean_running)):
+            self._close(load_level(round(mean_running)), self._tokens / elapsed)
         self._begin(now, level)
 
     def _begin(self, now: float, level: int) -> None:
         self._start = now
         self._level = level
         self._tokens = 0
+        self._first_rounds = 0
         self._samples, self._sum = 0, 0.0
         self._low, self._high = 1 << 30, 0
         self._counts = True
