@@ -342,6 +342,7 @@ def _add_forward_stats(report: dict[str, Any]) -> None:
     from specdec.bench.forwards import with_forward_stats
     from specdec.telemetry.reader import load_spans
 
-    path = Path(os.environ.get("SPECDEC_TRACE_DIR", "")) / "target.jsonl"
-    if os.environ.get("SPECDEC_TRACE_DIR") and path.is_file():
+    trace_dir = os.environ.get("SPECDEC_TRACE_DIR")
+    path = Path(trace_dir) / "target.jsonl" if trace_dir else None
+    if path is not None and path.is_file():
         with_forward_stats(report["levels"], load_spans([path]))
