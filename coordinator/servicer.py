@@ -340,6 +340,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 deadline=deadline, relay=relay)
         log.debug("request %r: session %s on target %s, draft %s", request_id, session_id,
                   verifier.endpoint, drafter.endpoint if drafter else None)
+        kind = acceptance_key(valid.sampling.greedy)  # the deployment's priors are per kind
         config = GenerateConfig(max_new_tokens=valid.max_new_tokens, sampling=valid.sampling,
                                 num_draft_tokens=valid.num_draft_tokens,
                                 draft_confidence=valid.draft_confidence,
@@ -347,11 +348,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 max_alternative_depth=valid.max_alternative_depth,
                                 prompt_lookup=self._prompt_lookup(valid),
                                 lookup_acceptance=self.costs.lookup_acceptance.get(
-                                    acceptance_key(valid.sampling.greedy),
-                                    self.settings.max_draft_tokens),
+                                    kind, self.settings.max_draft_tokens),
                                 suffix=self._suffix(valid, tenant),
-                                suffix_calibration=self.costs.suffix_calibration.get(
-                                    acceptance_key(valid.sampling.greedy)),
+                                suffix_calibration=self.costs.suffix_calibration.get(kind),
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)
         loop_drafter: Drafter | None = drafter

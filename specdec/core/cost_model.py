@@ -12,6 +12,7 @@ forward other sessions share, and a model-free length longer than any measured o
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Protocol
 
 from specdec.core.acceptance import SharedCalibrations, SharedChainAcceptances
@@ -30,6 +31,19 @@ class MeasuredCosts(Protocol):
         ...
 
 
+def interpolated(points: Mapping[int, float], k: int) -> float | None:
+    """points[k], else linear between the nearest measured lengths on either side of k;
+    None where k lies outside them."""
+    if k in points:
+        return points[k]
+    below = [j for j in points if j < k]
+    above = [j for j in points if j > k]
+    if not below or not above:
+        return None
+    low, high = max(below), min(above)
+    return points[low] + (k - low) / (high - low) * (points[high] - points[low])
+
+
 class CostTable:
     """EMA seconds per draft length k, with interpolation for lengths not measured yet."""
 
@@ -46,18 +60,12 @@ class CostTable:
         self.count[k] = n + weight
 
     def estimate(self, k: int, proportional: bool = False) -> float | None:
-        if k in self.mean:
-            return self.mean[k]
-        known = sorted(self.mean)
-        if not known:
+        if not self.mean:
             return None
-        below = [j for j in known if j < k]
-        above = [j for j in known if j > k]
-        if below and above:
-            low, high = below[-1], above[0]
-            frac = (k - low) / (high - low)
-            return self.mean[low] + frac * (self.mean[high] - self.mean[low])
-        nearest = below[-1] if below else above[0]
+        inside = interpolated(self.mean, k)
+        if inside is not None:
+            return inside
+        nearest = max(self.mean) if k > max(self.mean) else min(self.mean)
         if proportional and nearest > 0:  # k forwards of one token each
             return self.mean[nearest] * k / nearest
         return self.mean[nearest]
@@ -191,14 +199,10 @@ class CostModel:
         points = {**self.verify.mean, **self.undrafted.mean}
         if not points:
             return None
-        if k in points:
-            return points[k]
+        inside = interpolated(points, k)
+        if inside is not None:
+            return inside
         longest = max(points)
         if k > longest:
             return points[longest] + self._per_row_seconds() * (k - longest)
-        below = [j for j in points if j < k]
-        high = min(j for j in points if j > k)
-        if not below:
-            return points[high]
-        low = max(below)
-        return points[low] + (k - low) / (high - low) * (points[high] - points[low])
+        return points[min(points)]
