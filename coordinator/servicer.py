@@ -177,8 +177,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.telemetry.watch_suffix_cache(self.suffix_cache.usage)
         # Round costs are a property of this deployment: every adaptive session shares them.
         self.costs = CostModel()
-        # Whether drafting raises this deployment's output rate at the current load.
-        self.gate = SpeculationGate()
+        # How much speculation raises this deployment's output rate at the current load.
+        self.gate = SpeculationGate(on_epoch=self.telemetry.record_speculation_epoch)
         self.admission = Admission(self.settings.max_concurrent_requests,
                                    self.settings.max_queued_requests)
         self.telemetry.watch_queue(lambda: self.admission.counts().queued)
@@ -367,8 +367,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         adaptive = isinstance(policy, AdaptiveLength)
 
         def on_round(event: RoundEvent) -> None:
+            first_round = event.index == 0
             self.gate.record(len(event.emitted), self.admission.running, gated=adaptive,
-                             first_round=event.index == 0)
+                             first_round=first_round,
+                             prefill_s=event.verify_forward_s if first_round else 0.0)
             if observed is not None:  # record the round even if the client has gone
                 if isinstance(policy, AdaptiveLength) and observed.tracer is not None:
                     observed.tracer.annotate_round(load_attributes(policy))

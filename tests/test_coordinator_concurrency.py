@@ -309,6 +309,8 @@ def test_round_spans_record_the_verify_batch_and_the_load_it_chose_under(models,
         assert attributes[n.VERIFY_BATCH_QUEUED] == 1
         assert attributes[n.VERIFY_QUEUE_WAIT_MS] == pytest.approx(2.0)
         assert attributes[n.LOAD_RUNNING] == 1 and n.LOAD_LIMITED in attributes
+        # one request, the gate's first epochs: every source (drafting, nothing known yet)
+        assert attributes[n.GATE_ARM] == "draft" and attributes[n.GATED_OFF] is False
     # From the second round on the policy sees the batch: 3 sessions and 1 queued.
     assert [span.attributes[n.LOAD_SESSIONS] for span in rounds[1:]] == [4] * (len(rounds) - 1)
 

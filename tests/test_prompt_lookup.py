@@ -8,6 +8,7 @@ import pytest
 import torch
 from exact_law import chi_square_pvalue, target_law
 from test_greedy_and_kv import PROMPT, hf_greedy
+from test_speculation_gate import FixedGate
 from tiny_models import tiny_gpt2, tiny_llama
 
 from specdec.core.acceptance import SharedChainAcceptance
@@ -19,6 +20,7 @@ from specdec.core.loop import GenerateConfig, RoundEvent, generate
 from specdec.core.policy import FixedLength
 from specdec.core.prompt_lookup import LookupEvidence, PromptLookup, find_continuation
 from specdec.core.sampling import SamplingParams
+from specdec.core.speculation_gate import Arm
 from specdec.core.stats import DRAFT_MODEL, PROMPT_LOOKUP
 from specdec.engine.local import LocalDrafter, LocalVerifier
 from specdec.engine.runner import ModelRunner
@@ -111,6 +113,21 @@ def test_lookup_rounds_feed_the_policys_costs_not_the_drafts_evidence() -> None:
     prompt_len = len(PROMPT * 2)
     assert [min(choice, 40 - (e.position_before - prompt_len) - 1)
             for choice, e in zip(policy.chosen, drafted, strict=True)] == [e.asked for e in drafted]
+    assert tokens == hf_greedy(target, PROMPT * 2, 40)
+
+
+@pytest.mark.parametrize("played", list(Arm), ids=lambda arm: arm.label)
+def test_the_speculation_gates_arm_limits_every_source(played: Arm) -> None:
+    """Target-only: no proposal at all, lookup hits included (their rows cost a shared
+    forward too); model-free: lookup rounds but no draft model; draft: both. The output
+    is the target's greedy text under every arm."""
+    target, draft = tiny_llama(16, seed=3), tiny_llama(16, seed=4, layers=1)
+    policy = AdaptiveLength(2, 4, costs=CostModel(), gate=FixedGate(played))
+    tokens, events = _events(target, draft, 2, PromptLookup(16, max_tokens=5, min_ngram=1),
+                             PROMPT * 2, policy=policy)
+    sources = {e.proposal.source for e in events if e.proposal is not None}
+    assert sources == {Arm.TARGET_ONLY: set(), Arm.MODEL_FREE: {PROMPT_LOOKUP},
+                       Arm.DRAFT: {PROMPT_LOOKUP, DRAFT_MODEL}}[played]
     assert tokens == hf_greedy(target, PROMPT * 2, 40)
 
 
@@ -207,6 +224,8 @@ def test_only_adaptive_requests_share_lookup_evidence(adaptive: bool) -> None:
 
 class PricedPolicy(FixedLength):
     """A fixed length with fixed prices: stands in for AdaptiveLength's estimates."""
+
+    model_free = True
 
     def __init__(self, num_draft_tokens: int, draft_rate: float,
                  lookup_seconds: dict[int, float]) -> None:

@@ -237,6 +237,8 @@ def test_a_wrong_suffix_q_is_rejected_by_the_same_test() -> None:
 class _SharedForwardPolicy:
     """A costed, load-aware policy whose costs are not known yet."""
 
+    model_free = True
+
     def __init__(self, shared: bool) -> None:
         self.shared = shared
 

@@ -7,6 +7,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.core.prompt_lookup import PromptLookup
+from specdec.core.speculation_gate import Arm, SpeculationGate
 from specdec.engine.runner import ModelRunner
 from specdec.telemetry.service import Telemetry
 from tests.telemetry_helpers import run_request
@@ -95,3 +96,18 @@ def _exposition(telemetry: Telemetry) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(telemetry.registry).decode()
+
+
+def test_the_speculation_gates_epochs_are_counted_by_arm() -> None:
+    telemetry = Telemetry("coordinator")
+    now = [0.0]
+    gate = SpeculationGate(clock=lambda: now[0], explore_every=2,
+                           on_epoch=telemetry.record_speculation_epoch)
+    for _ in range(8):  # eight epochs at one request: drafting, re-tests in between
+        gate.arm(1)
+        now[0] += 1.0
+    got = samples(_exposition(telemetry))
+    epochs = {arm.label: got.get(("specdec_speculation_epochs_total", (("arm", arm.label),)), 0)
+              for arm in Arm}
+    assert sum(epochs.values()) == 8 and epochs["draft"] >= 6
+    assert epochs["model-free"] + epochs["target-only"] >= 1

@@ -49,7 +49,7 @@ from specdec.core.acceptance import ChainAcceptance, acceptance_key
 from specdec.core.cost_model import DEFAULT_MAX_DRAFT_TOKENS, CostModel
 from specdec.core.interfaces import ForwardBatch, Proposal, Verification
 from specdec.core.policy import FixedLength, LengthPolicy
-from specdec.core.speculation_gate import SpeculationGate
+from specdec.core.speculation_gate import Arm, SpeculationGate
 from specdec.settings import default
 
 
@@ -169,6 +169,7 @@ class AdaptiveLength:
         self.running = running
         self.gate = gate
         self.gated_off = False  # this round: the gate turned drafting off
+        self.gate_arm: Arm | None = None  # this round: what the gate allows (None: no gate)
         self._running_at_call = 0
         self.load = RUNNING_ALONE
         self._reference = self.initial  # the k other sessions draft, from their rows
@@ -218,6 +219,10 @@ class AdaptiveLength:
             return None
         tokens = self.expected_tokens(k) if expected is None else expected
         return self._round_value(tokens, seconds, k + 1 + alternatives)
+
+    @property
+    def model_free(self) -> bool:
+        return self.gate_arm is None or self.gate_arm >= Arm.MODEL_FREE
 
     def value(self, k: int) -> float | None:
         return self.shared_value(k)
@@ -322,9 +327,11 @@ class AdaptiveLength:
         self._running_at_call = self.running() if self.running is not None else 0
         self._choice = self._choose()
         self.gated_off = False
-        if self.gate is not None and not self.gate.allows(max(1, self._running_at_call)):
-            self.gated_off = self._choice > 0
-            self._choice = 0
+        if self.gate is not None:
+            self.gate_arm = self.gate.arm(max(1, self._running_at_call))
+            if self.gate_arm < Arm.DRAFT:
+                self.gated_off = self._choice > 0
+                self._choice = 0
         if self.rounds > 0:
             self._note_load_limit(self._choice)
         return self._choice

@@ -137,6 +137,7 @@ class _Generation:
     num_alternatives: int
     lookup_evidence: LookupEvidence | None
     suffix_evidence: SuffixEvidence | None = None
+    costed: CostedPolicy | None = None  # the policy, where it prices rounds
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str = "length"
@@ -159,7 +160,7 @@ class _Generation:
         """(the lookup's hit, the suffix cache's draft, the proposal to verify instead of
         drafting: whichever model-free one promises most, if it beats the draft's round;
         None: draft)."""
-        if self.remaining <= 1:
+        if self.remaining <= 1 or (self.costed is not None and not self.costed.model_free):
             return None, None, None
         offers: list[Offer] = []
         lookup, found = self.config.prompt_lookup, None
@@ -298,8 +299,8 @@ def generate(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[i
             if not looked_up:  # the policy's acceptance evidence is the draft model's
                 gen.policy.observe(asked if proposal else 0, verification.accepted_tokens,
                                    proposal, verification)
-            elif isinstance(gen.policy, CostedPolicy):
-                gen.policy.observe_undrafted(proposal, verification)  # type: ignore[arg-type]
+            elif gen.costed is not None and proposal is not None:
+                gen.costed.observe_undrafted(proposal, verification)
             emitted = gen.cut_at_stop_string(emitted, position_before)
             if on_round is not None:
                 bonus = bool(draft_tokens) and verification.accepted_len == len(draft_tokens)
@@ -328,9 +329,9 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
         committed.target_hidden = HiddenStateLog(getattr(drafter, "target_hidden_spec",
                                                          FINAL_STATE))
     policy = policy or FixedLength(config.num_draft_tokens)
-    costed = isinstance(policy, CostedPolicy)
-    shared_lookup = config.lookup_acceptance if costed else None
-    shared_suffix = config.suffix_calibration if costed else None
+    costed = policy if isinstance(policy, CostedPolicy) else None
+    shared_lookup = config.lookup_acceptance if costed is not None else None
+    shared_suffix = config.suffix_calibration if costed is not None else None
     return _Generation(
         drafter, verifier, config,
         policy=policy,
@@ -344,4 +345,5 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
         lookup_evidence=(LookupEvidence(config.prompt_lookup.max_tokens, shared=shared_lookup)
                          if config.prompt_lookup is not None else None),
         suffix_evidence=(SuffixEvidence(shared=shared_suffix)
-                         if config.suffix is not None else None))
+                         if config.suffix is not None else None),
+        costed=costed)

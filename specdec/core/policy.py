@@ -29,6 +29,12 @@ class CostedPolicy(Protocol):
     share the forward, less what its rows cost them (each row lengthens the forward all
     of them wait for)."""
 
+    @property
+    def model_free(self) -> bool:
+        """Whether this round may verify a model-free proposal at all (the deployment's
+        speculation gate may allow only target-only rounds); known after next_length."""
+        ...
+
     def value(self, k: int) -> float | None:
         """The value of a round drafting k tokens (None: not known yet)."""
         ...

@@ -12,6 +12,9 @@ Counters (coordinator), as vLLM defines them:
   {source}, specdec_num_accepted_tokens_per_source_total{source}: the three counters split
   by who proposed (source: draft, prompt_lookup or suffix, Proposal.source); over the
   sources they sum to the unlabelled ones.
+- specdec_speculation_epochs_total{arm}: the speculation gate's epochs (one second each
+  by default) by what it let adaptive sessions propose: target-only, model-free or draft
+  (specdec.core.speculation_gate), so the share of time speculation was on.
 Gauges: specdec_suffix_cache_bytes and specdec_suffix_cache_requests, the global suffix
 tree's memory (estimated from its node count) and the responses it holds.
 Mean acceptance length = 1 + accepted / drafts (the +1 is the correction or bonus token).
@@ -143,6 +146,9 @@ class CoordinatorMetrics:
             "queued limits were full")
         self.queued_requests = Gauge("specdec_queued_requests",
                                      "Requests waiting for a running slot", registry=registry)
+        self.speculation_epochs = counter(
+            "speculation_epochs", "Epochs of the speculation gate, by the arm it played: "
+            "target-only, model-free (prompt lookup and suffix only) or draft", ("arm",))
         self.load_limited_rounds = counter(
             "load_limited_rounds", "Rounds that drafted fewer tokens than the session alone "
             "would have, because other sessions shared the forward")

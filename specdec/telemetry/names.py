@@ -78,6 +78,8 @@ LOAD_LIMITED = "specdec.round.load_limited"
 ALONE_LENGTH = "specdec.round.alone_length"
 # True when the deployment's speculation gate turned drafting off for the round.
 GATED_OFF = "specdec.round.gated_off"
+# What the gate allowed the round: "target-only", "model-free" or "draft" (Arm.label).
+GATE_ARM = "specdec.round.gate_arm"
 
 # Rejection event.
 REJECT_POSITION = "specdec.position"  # absolute position of the rejected token

@@ -110,6 +110,8 @@ def load_attributes(policy: AdaptiveLength) -> dict[str, AttributeValue]:
         n.LOAD_LIMITED: policy.load_limited,
         n.GATED_OFF: policy.gated_off,
     }
+    if policy.gate_arm is not None:
+        attributes[n.GATE_ARM] = policy.gate_arm.label
     if policy.running is not None:
         attributes[n.LOAD_RUNNING] = policy.running()
     if policy.alone_choice is not None:

@@ -124,6 +124,11 @@ class Telemetry:
         if self.coordinator_metrics is not None:
             self.coordinator_metrics.refused_requests.inc()
 
+    def record_speculation_epoch(self, arm: Any) -> None:
+        """The speculation gate began an epoch playing `arm` (an Arm)."""
+        if self.coordinator_metrics is not None:
+            self.coordinator_metrics.speculation_epochs.labels(arm=arm.label).inc()
+
     def record_load_limited_round(self) -> None:
         if self.coordinator_metrics is not None:
             self.coordinator_metrics.load_limited_rounds.inc()
