@@ -17,6 +17,9 @@ Prints tokens/s (all tokens over all time) and the ratio to target-only, tokens 
 round, and whether every output equals target-only's:
 
     .venv/bin/python scripts/measure_suffix_warm_cache.py --warm 120
+
+--warm-clients N answers the warm prompts N at a time (the tree is the same either way;
+the coordinator adds each answer as its request ends).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,6 +56,8 @@ def request(prompt_ids: list[int], config: str, max_new_tokens: int, salt: str):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warm", type=int, default=120, help="answers in the warm tree")
+    parser.add_argument("--warm-clients", type=int, default=1,
+                        help="requests answered at once while the tree is warmed")
     parser.add_argument("--workload", choices=("repetition", "prompts"), default="repetition")
     parser.add_argument("--prompts-per-category", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=160)
@@ -83,12 +89,16 @@ def main() -> int:
         stub = coordinator_pb2_grpc.CoordinatorStub(
             grpc.insecure_channel(stack.endpoint("coordinator")))
         started = time.monotonic()
-        for index, prompt in enumerate(warm):
+
+        def answer(prompt: BenchPrompt) -> None:
             stub.Generate(request(encode(prompt), "suffix, warm tree", args.max_new_tokens,
                                   "warm"), timeout=600)
-            if (index + 1) % 20 == 0:
-                print(f"warm tree: {index + 1}/{len(warm)} answers, "
-                      f"{time.monotonic() - started:.0f} s", flush=True)
+
+        with ThreadPoolExecutor(args.warm_clients) as pool:
+            for index, _ in enumerate(pool.map(answer, warm)):
+                if (index + 1) % 20 == 0:
+                    print(f"warm tree: {index + 1}/{len(warm)} answers, "
+                          f"{time.monotonic() - started:.0f} s", flush=True)
         totals = {c: [0, 0.0, 0] for c in CONFIGS}  # tokens, seconds, rounds
         equal = {c: 0 for c in CONFIGS}
         for index, prompt in enumerate(measured):

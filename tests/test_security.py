@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ from specdec.serving.security import (
     channel_credentials,
     channel_options,
     public_channel,
+    secure_stack_env,
     server_options,
 )
 from target_service.servicer import TargetServicer
@@ -189,6 +191,14 @@ def test_certs_command_writes_a_verifiable_chain(tmp_path: Path) -> None:
 
 
 # -- API keys -------------------------------------------------------------------------
+
+
+def test_the_key_up_secure_generates_passes_as_a_command_line_value(tmp_path: Path) -> None:
+    """`specdec up --secure` prints `--api-key KEY` for the client: a base64url key
+    starts with "-" one time in 64, which argparse reads as an option. Hex never does."""
+    env, key = secure_stack_env(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    assert Path(env["SPECDEC_API_KEYS_FILE"]).read_text().splitlines()[-1] == key
 
 
 def test_api_keys_skip_comments_and_follow_file_changes(tmp_path: Path) -> None:
