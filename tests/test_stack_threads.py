@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.serving.stack import co_located_threads, split_threads
+from specdec.serving.stack import co_located_threads, free_port, split_threads
 
 
 def test_the_cpus_are_split_never_shared() -> None:
@@ -26,3 +26,11 @@ def test_auto_threads_get_the_split_and_explicit_ones_win() -> None:
     per_role = split_threads(["--torch-threads=0"], {"target": ["--torch-threads", "5"]},
                              {}, 8)
     assert per_role == {"target": ["--torch-threads", "5"], "draft": ["--torch-threads", "2"]}
+
+
+def test_free_ports_are_never_handed_out_twice() -> None:
+    """A stack picks every port (services, /metrics) before a child binds one, and the
+    kernel readily offers a just-released port again: without memory, two of a thousand
+    picks share a port often enough to fail a start now and then."""
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)

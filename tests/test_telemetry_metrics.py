@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.core.prompt_lookup import PromptLookup
@@ -111,3 +112,32 @@ def test_the_speculation_gates_epochs_are_counted_by_arm() -> None:
               for arm in Arm}
     assert sum(epochs.values()) == 8 and epochs["draft"] >= 6
     assert epochs["model-free"] + epochs["target-only"] >= 1
+
+
+def test_metrics_on_port_0_cannot_take_the_services_own_port(monkeypatch) -> None:
+    """`specdec serve --metrics-port 0` starts /metrics before its gRPC port is bound
+    (the model loads in between): the kernel must not hand that port to /metrics. It is
+    held while port 0 is picked, and free again afterwards."""
+    import socket
+
+    from specdec.serving.stack import free_port
+    from specdec.telemetry import metrics
+
+    service_port = free_port()
+    real = metrics.start_http_server
+
+    def checked(port: int, addr: str, registry):  # noqa: ANN001, ANN202
+        probe = socket.socket()
+        try:
+            with pytest.raises(OSError):
+                probe.bind((addr, service_port))
+        finally:
+            probe.close()
+        return real(port, addr=addr, registry=registry)
+
+    monkeypatch.setattr(metrics, "start_http_server", checked)
+    port = metrics.start_metrics_server(0, metrics.new_registry(), "127.0.0.1",
+                                        avoid=[service_port])
+    assert port != service_port
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", service_port))

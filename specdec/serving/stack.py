@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,10 +46,29 @@ READY_FILE_ENV = "SPECDEC_READY_FILE"
 _PR_SET_PDEATHSIG = 1
 
 
+_handed_out: set[int] = set()  # ports free_port returned in this process
+_handed_out_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on now, and none that this process was given before: the
+    kernel readily hands a just-released port out again, and callers pick several ports
+    (a stack's services, their /metrics) before any child binds one."""
+    held: list[socket.socket] = []
+    try:
+        with _handed_out_lock:
+            for _ in range(256):
+                sock = socket.socket()
+                held.append(sock)  # still bound: the kernel cannot offer it again
+                sock.bind((host, 0))
+                port = int(sock.getsockname()[1])
+                if port not in _handed_out:
+                    _handed_out.add(port)
+                    return port
+    finally:
+        for sock in held:
+            sock.close()
+    raise RuntimeError(f"no free port on {host}: 256 tries gave ports handed out before")
 
 
 def co_located_threads(cpus: int) -> dict[str, int]:

@@ -27,8 +27,9 @@ run the three services in one process and a registry holds only its service's se
 
 from __future__ import annotations
 
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -64,9 +65,28 @@ def new_registry() -> CollectorRegistry:
     return registry
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> int:
-    """Serve /metrics in a daemon thread; returns the bound port (port 0 picks one)."""
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0",
+                         avoid: Sequence[int] = ()) -> int:
+    """Serve /metrics in a daemon thread; returns the bound port (port 0 picks one).
+
+    avoid: ports the process binds later (its gRPC port, bound once its model has
+    loaded). While port 0 is picked they are held, so that the kernel cannot hand one of
+    them to /metrics, as it can a port another process chose and released."""
+    held: list[socket.socket] = []
+    if port == 0:
+        for other in avoid:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((addr, other))
+            except OSError:  # in use already, so the kernel will not choose it either
+                sock.close()
+                continue
+            held.append(sock)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    finally:
+        for sock in held:
+            sock.close()
     return int(server.server_port)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -67,16 +67,20 @@ class Telemetry:
         port = metrics_port_for(args, role)
         if serve_metrics and port >= 0:
             # Where the service listens: a service on 127.0.0.1 keeps its metrics local too.
-            telemetry.serve_metrics(port, getattr(args, "host", "") or "0.0.0.0")
+            service_ports = [p for p in (getattr(args, "port", 0), getattr(args, "health_port", 0))
+                             if isinstance(p, int) and p > 0]
+            telemetry.serve_metrics(port, getattr(args, "host", "") or "0.0.0.0",
+                                    avoid=service_ports)
         return telemetry
 
     @property
     def tracing_enabled(self) -> bool:
         return not isinstance(self.tracer_provider, trace.NoOpTracerProvider)
 
-    def serve_metrics(self, port: int, addr: str = "0.0.0.0") -> int:
+    def serve_metrics(self, port: int, addr: str = "0.0.0.0", avoid: Sequence[int] = ()) -> int:
+        """avoid: the ports the service binds later (start_metrics_server)."""
         try:
-            self.metrics_port = start_metrics_server(port, self.registry, addr)
+            self.metrics_port = start_metrics_server(port, self.registry, addr, avoid)
         except OSError as error:  # reported by the CLI as a one-line error, not a traceback
             raise RuntimeError(f"{self.role}: cannot serve metrics on {addr}:{port}: {error} "
                                "(set --metrics-port / SPECDEC_METRICS_PORT; -1 turns it off)"
