@@ -27,9 +27,10 @@ load grows; DRAFT where nothing is known), and re-tests the other arms in turn e
 `explore_every` epochs, an interval that doubles (to `max_explore_every`) while re-tests
 confirm the choice (the re-test's epoch was slower than the played epoch before it); an
 arm found ahead is re-tested again at the shortest interval, so a change in what pays is
-followed within a few short intervals. An arm is played once it leads the played one by
-SWITCH_MARGIN over MIN_PAIRS comparisons: arms closer than that are within an epoch's
-noise, and each switch to drafting costs the draft a catch-up of the tokens it missed.
+followed within a few short intervals. An arm is played once a fresh comparison with
+the played one leaves it SWITCH_MARGIN ahead over MIN_PAIRS comparisons: arms closer than
+that are within an epoch's noise, and each switch to drafting costs the draft a catch-up
+of the tokens it missed.
 
 An epoch counts at the level of its mean load, and only if the load stayed within a
 factor of two through it, only adaptive sessions produced tokens in it (a fixed-length
@@ -139,27 +140,28 @@ class Level:
         pairs = self.compared(arm, self.choice)
         return (pairs.advantage if arm > self.choice else -pairs.advantage), pairs.count
 
-    def count(self, index: int, arm: Arm, rate: float, ema: float) -> bool:
-        """Count epoch `index`; True when it formed a pair with the epoch before it,
-        another arm's at this level."""
+    def count(self, index: int, arm: Arm, rate: float, ema: float) -> Arm | None:
+        """Count epoch `index`; the arm of the epoch before it when the two formed a pair
+        (that epoch was another arm's at this level)."""
         self.rates[arm].observe(rate, ema)
         last, self.last = self.last, (index, arm, rate)
         if last is None or last[0] != index - 1 or last[1] == arm:
-            return False
+            return None
         higher, lower = (rate, last[2]) if arm > last[1] else (last[2], rate)
         ratio = min(max(math.log(higher / lower), -PAIR_BOUND), PAIR_BOUND)
         self.compared(arm, last[1]).observe(ratio, ema)
-        return True
+        return last[1]
 
-    def decide(self, margin: float) -> None:
-        """Move to the arm furthest ahead of the played one, if it leads by `margin`
-        over at least MIN_PAIRS comparisons."""
-        best, best_lead = self.choice, math.log1p(margin)
-        for arm in self.others():
-            lead, count = self.lead(arm)
-            if count >= MIN_PAIRS and lead > best_lead:
-                best, best_lead = arm, lead
-        self.choice = best
+    def decide(self, one: Arm, other: Arm, margin: float) -> None:
+        """After a comparison of `one` and `other`: if the played arm is one of them, move
+        to the other when it leads by `margin` over at least MIN_PAIRS comparisons. Only
+        the pair just compared is acted on; another pair's comparisons may be old."""
+        if self.choice not in (one, other):
+            return
+        rival = other if self.choice == one else one
+        lead, count = self.lead(rival)
+        if count >= MIN_PAIRS and lead > math.log1p(margin):
+            self.choice = rival
 
     def others(self) -> list[Arm]:
         return [arm for arm in Arm if arm != self.choice]
@@ -303,8 +305,9 @@ class SpeculationGate:
         """Count an ended epoch, at the load level it held on average."""
         state = self._state(level)
         before, last = state.choice, state.last
-        if state.count(epoch.index, epoch.arm, rate, self.ema):
-            state.decide(SWITCH_MARGIN)
+        paired_with = state.count(epoch.index, epoch.arm, rate, self.ema)
+        if paired_with is not None:
+            state.decide(epoch.arm, paired_with, SWITCH_MARGIN)
         if state.choice != before:
             low = 1 << (level - 1)
             lead, count = state.lead(before)
