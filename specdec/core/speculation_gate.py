@@ -315,9 +315,8 @@ class SpeculationGate:
                      "adjacent epochs (%d compared)", state.choice.label, low, 2 * low - 1,
                      100.0 * math.expm1(-lead), before.label, count)
         if epoch.exploring and level == epoch.level:
-            # the re-test measured its arm slower than the played epoch just before it
-            confirmed = (last is not None and last[0] == epoch.index - 1
-                         and last[1] == before and rate <= last[2])
+            # the re-test paired with the played epoch just before it and was slower
+            confirmed = (paired_with == before and last is not None and rate <= last[2])
             state.retested(confirmed, self.explore_every, self.max_explore_every)
 
     def _state(self, level: int) -> Level:
