@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -112,6 +113,13 @@ def served(stack: Stack) -> dict:
         unary = stub.Generate(request, timeout=120)
         request.request_id = "e2e-stream"
         streamed = list(stub.GenerateStream(request, timeout=120))
+    # The coordinator releases both services' sessions with a fire-and-forget Release
+    # after the response; wait (bounded) for them to land before the final scrape.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(
+            stack.scrape(role).get(("specdec_active_sessions", ()), 0.0) != 0
+            for role in ("draft", "target")):
+        time.sleep(0.05)
     scraped = {role: stack.scrape(role) for role in ROLES}
     stack.stop()
     spans = reader.load_spans(reader.trace_files(stack.trace_dir))
