@@ -135,6 +135,41 @@ def test_the_load_test_reports_every_mode_at_every_level(services, tmp_path) -> 
     assert paths["plot"].stat().st_size > 0
 
 
+def test_repeated_passes_alternate_the_modes_order_and_report_each_modes_median(
+        services, tmp_path) -> None:
+    stub, handles = coordinator_stub(services, CoordinatorSettings())
+    try:
+        report = run_load(stub, LoadSettings((2,), ("target-only", "k=2", "adaptive"),
+                                             max_new_tokens=6, warmup_tokens=0, repeats=3),
+                          PROMPTS[:2], out=io.StringIO())
+    finally:
+        close(handles)
+    rows = report["levels"]
+    forward, backward = ["target-only", "k=2", "adaptive"], ["adaptive", "k=2", "target-only"]
+    assert [(r["repeat"], r["mode"]) for r in rows] == [
+        (repeat, mode) for repeat, order in enumerate((forward, backward, forward))
+        for mode in order]
+    assert all(r["mismatches"] == 0 and r["compared"] == 2 for r in rows)
+    # Each pass's ratio is over that pass's own target-only phase.
+    for row in rows:
+        if row["mode"] != "target-only":
+            (base,) = [r for r in rows
+                       if r["mode"] == "target-only" and r["repeat"] == row["repeat"]]
+            assert row["speedup"] == round(row["output_throughput"]
+                                           / base["output_throughput"], 3)
+    by_mode = {p["mode"]: p for p in report["passes"]}
+    assert set(by_mode) == {"k=2", "adaptive"}
+    for mode, summary in by_mode.items():
+        assert summary["speedups"] == [r["speedup"] for r in rows if r["mode"] == mode]
+        assert summary["median_speedup"] == sorted(summary["speedups"])[1]
+        assert summary["min_speedup"] == min(summary["speedups"])
+    markdown = write_outputs(report, tmp_path, "bench")["markdown"].read_text()
+    assert "over 3 passes" in markdown and "| pass |" in markdown
+    assert f"**{by_mode['k=2']['median_speedup']:.3g}x**" in markdown
+    with pytest.raises(ValueError, match="--repeats must be at least 1"):
+        run_load(stub, LoadSettings((1,), ("target-only",), repeats=0), PROMPTS)
+
+
 def test_requests_over_capacity_count_apart_from_failures(services) -> None:
     settings = CoordinatorSettings(max_concurrent_requests=1, max_queued_requests=0)
     stub, handles = coordinator_stub(services, settings)

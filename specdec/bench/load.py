@@ -6,6 +6,10 @@ The modes (target-only, a fixed draft length, adaptive) run one after another wi
 level, so the machine's drift over the run falls on all of them alike. With several
 workloads (`--workload all`) each runs on its own within a level, its modes in turn, so
 every workload has its own throughput and its ratio over target-only at that level.
+With `--repeats N` each level and workload runs its modes N times, every other pass in
+reverse order (A B C, C B A, ...), and the report adds each mode's median ratio over the
+passes: a phase's throughput on a shared machine drifts by more than the effects a
+speculation policy makes, so one pass per mode cannot tell them apart.
 
 Measures, with the meanings of vLLM's `bench serve`:
 - output throughput: output tokens of the level's successful requests over the level's
@@ -131,6 +135,7 @@ class LevelRun:
     records: list[RequestRecord]
     workload: str = "prompts"
     window_ns: tuple[int, int] = (0, 0)  # wall clock (time.time_ns) at its start and end
+    repeat: int = 0  # which pass over the modes
 
 
 def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int,
@@ -196,14 +201,14 @@ def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
               concurrency: int, prompts: Sequence[LoadPrompt], requests: int,
               max_new_tokens: int, timeout_s: float,
               on_done: Callable[[RequestRecord], None] = lambda record: None,
-              workload: str = "prompts") -> LevelRun:
+              workload: str = "prompts", repeat: int = 0) -> LevelRun:
     """`requests` requests over the prompts in turn, from `concurrency` closed-loop clients."""
-    # Each pass over the prompts fills a suffix cache of its own (per mode, level and
-    # workload), so no request meets its own prompt's earlier answer.
+    # Each pass over the prompts fills a suffix cache of its own (per mode, level, workload
+    # and repeat), so no request meets its own prompt's earlier answer.
     work: queue.Queue[tuple[LoadPrompt, str]] = queue.Queue()
     for index in range(requests):
         work.put((prompts[index % len(prompts)],
-                  f"{mode.name}/{concurrency}/{workload}/{index // len(prompts)}"))
+                  f"{mode.name}/{concurrency}/{workload}/{repeat}/{index // len(prompts)}"))
     records: list[RequestRecord] = []
     lock = threading.Lock()
 
@@ -232,7 +237,7 @@ def run_level(stub: coordinator_pb2_grpc.CoordinatorStub, mode: LoadMode,
             work.get_nowait()
         raise
     return LevelRun(mode.name, concurrency, time.perf_counter() - started, records, workload,
-                    (started_ns, time.time_ns()))
+                    (started_ns, time.time_ns()), repeat)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -265,7 +270,7 @@ def summarise_level(run: LevelRun, serial: dict[str, list[int]]) -> dict[str, An
     draft_tokens = sum(r.draft_tokens for r in ok)
     return {
         "mode": run.mode, "concurrency": run.concurrency, "workload": run.workload,
-        "requests": len(run.records),
+        "repeat": run.repeat, "requests": len(run.records),
         "completed": len(ok), "wall_s": round(run.wall_s, 3), "window_ns": list(run.window_ns),
         "output_tokens": output_tokens,
         "output_throughput": round(output_tokens / run.wall_s, 2) if run.wall_s > 0 else 0.0,
@@ -300,6 +305,8 @@ class LoadSettings:
     # prompt; greedy runs compare every output with the serial target-only one.
     temperature: float = 0.0
     top_p: float = 1.0
+    # Passes over the modes at each level and workload, every other one in reverse order.
+    repeats: int = 1
 
 
 def requests_at(level: int, prompts: int, min_rounds: int) -> int:
@@ -309,25 +316,28 @@ def requests_at(level: int, prompts: int, min_rounds: int) -> int:
 def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
              prompts: Sequence[LoadPrompt], *, meta: dict[str, Any] | None = None,
              out: Any = None) -> dict[str, Any]:
-    """Every mode at every level (modes interleaved within a level); the report."""
+    """Every mode at every level (the modes in turn within a level); the report."""
     out = out if out is not None else sys.stderr
     modes = [replace(parse_load_mode(name), temperature=settings.temperature,
                      top_p=settings.top_p) for name in settings.modes]
     levels = sorted(set(settings.concurrency))
     if not levels or levels[0] < 1:
         raise ValueError(f"concurrency levels must be positive integers, got {levels}")
+    if settings.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {settings.repeats}")
     target_only = LoadMode(TARGET_ONLY, 0, temperature=settings.temperature,
                            top_p=settings.top_p)
     by_workload: dict[str, list[LoadPrompt]] = {}
     for prompt in prompts:
         by_workload.setdefault(prompt.workload, []).append(prompt)
-    plan = [(level, workload, mode) for level in levels for workload in by_workload
-            for mode in modes]
+    plan = [(level, workload, repeat, mode) for level in levels for workload in by_workload
+            for repeat in range(settings.repeats)
+            for mode in (modes if repeat % 2 == 0 else modes[::-1])]
     # Sampled outputs have no serial reference to equal: nothing to compare.
     reference_in_plan = settings.temperature > 0 or any(
-        level == 1 and mode == target_only for level, _, mode in plan)
+        level == 1 and mode == target_only for level, _, _, mode in plan)
     total = sum(requests_at(level, len(by_workload[workload]), settings.min_rounds)
-                for level, workload, _ in plan)
+                for level, workload, _, _ in plan)
     if not reference_in_plan:
         total += len(prompts)
     done = 0
@@ -356,13 +366,14 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
                               progress("serial reference", 0))
         serial = {r.prompt_id: r.token_ids for r in reference.records if r.code == "OK"}
     several = len(by_workload) > 1
-    for level, workload, mode in plan:
+    for level, workload, repeat, mode in plan:
         chosen = by_workload[workload]
-        label = f"{mode.name} c={level}" + (f" {workload}" if several else "")
+        label = (f"{mode.name} c={level}" + (f" {workload}" if several else "")
+                 + (f" pass {repeat + 1}/{settings.repeats}" if settings.repeats > 1 else ""))
         run = run_level(stub, mode, level, chosen,
                         requests_at(level, len(chosen), settings.min_rounds),
                         settings.max_new_tokens, settings.timeout_s, progress(label, 0),
-                        workload)
+                        workload, repeat)
         if level == 1 and mode == target_only and settings.temperature == 0:
             serial.update({r.prompt_id: r.token_ids for r in run.records if r.code == "OK"})
         runs.append(run)
@@ -372,25 +383,39 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
     return {"settings": {**asdict(settings), "prompts": len(prompts),
                          "workloads": list(by_workload)},
             "meta": {**(meta or {}), "wall_s": round(time.perf_counter() - started, 1)},
-            "levels": rows,
+            "levels": rows, "passes": over_passes(rows),
             "requests": [asdict(r) for run in runs for r in run.records]}
 
 
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row's output throughput over target-only's at its level and workload (None
-    where target-only did not run there)."""
-    base = {(row["concurrency"], row["workload"]): row["output_throughput"]
+    """Each row's output throughput over target-only's at its level, workload and pass
+    (None where target-only did not run there)."""
+    base = {(row["concurrency"], row["workload"], row.get("repeat", 0)): row["output_throughput"]
             for row in rows if row["mode"] == TARGET_ONLY}
     for row in rows:
-        reference = base.get((row["concurrency"], row["workload"]))
+        reference = base.get((row["concurrency"], row["workload"], row.get("repeat", 0)))
         row["speedup"] = (round(row["output_throughput"] / reference, 3)
                           if reference and row["mode"] != TARGET_ONLY else None)
     return rows
 
 
+def over_passes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each speculative mode's ratios over target-only at a level and workload, one per
+    pass, with their median and range."""
+    ratios: dict[tuple[int, str, str], list[float]] = {}
+    for row in rows:
+        if row["speedup"] is not None:
+            ratios.setdefault((row["concurrency"], row["workload"], row["mode"]),
+                              []).append(row["speedup"])
+    return [{"concurrency": level, "workload": workload, "mode": mode, "speedups": values,
+             "median_speedup": round(percentile(values, 50) or 0.0, 3),
+             "min_speedup": min(values), "max_speedup": max(values)}
+            for (level, workload, mode), values in ratios.items()]
+
+
 # -- report ----------------------------------------------------------------------------
 COLUMNS = (("concurrency", "clients"), ("mode", "mode"), ("workload", "workload"),
-           ("completed", "ok"), ("output_throughput", "out tok/s"),
+           ("repeat", "pass"), ("completed", "ok"), ("output_throughput", "out tok/s"),
            ("speedup", "x target-only"), ("request_throughput", "req/s"),
            ("p50_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
            ("mean_tpot_ms", "TPOT mean ms"), ("p50_itl_ms", "ITL p50 ms"),
@@ -398,6 +423,11 @@ COLUMNS = (("concurrency", "clients"), ("mode", "mode"), ("workload", "workload"
            ("p99_e2e_ms", "E2E p99 ms"), ("draft_tokens_per_round", "draft/round"),
            ("acceptance", "accept"), ("over_capacity", "over capacity"),
            ("failed", "failed"), ("mismatches", "mismatches"))
+
+
+def _row_cell(row: dict[str, Any], key: str) -> str:
+    """A report row's cell; passes count from 1."""
+    return str(row.get(key, 0) + 1) if key == "repeat" else _cell(row.get(key))
 
 
 def _cell(value: Any) -> str:
@@ -410,13 +440,15 @@ def _cell(value: Any) -> str:
 
 def render_markdown(report: dict[str, Any], command: str) -> str:
     settings, meta = report["settings"], report["meta"]
+    repeats = settings.get("repeats", 1)
     lines = ["# specdec bench --concurrency", "", f"- command: `{command}`",
              f"- {settings['prompts']} prompts"
              + (f" ({', '.join(settings['workloads'])})" if settings.get("workloads") else "")
              + f", {_sampling(settings)}, "
              f"{settings['max_new_tokens']} new tokens; "
-             f"modes {', '.join(settings['modes'])} interleaved at each level; closed-loop "
-             "clients over GenerateStream",
+             f"modes {', '.join(settings['modes'])} in turn at each level"
+             + (f", {repeats} passes in alternating order" if repeats > 1 else "")
+             + "; closed-loop clients over GenerateStream",
              f"- wall time {meta.get('wall_s', 0)} s"]
     if "machine" in meta:
         machine = meta["machine"]
@@ -425,15 +457,18 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
                          "load_average", [])))
     if "endpoint" in meta:
         lines.append(f"- coordinator: {meta['endpoint']}")
-    # The workload column only when the run had several.
+    # The workload and pass columns only when the run had several.
     columns = [(key, title) for key, title in COLUMNS
-               if key != "workload" or len(settings.get("workloads", [])) > 1]
+               if (key != "workload" or len(settings.get("workloads", [])) > 1)
+               and (key != "repeat" or repeats > 1)]
+    lines += _passes_table(report.get("passes", []), repeats,
+                           len(settings.get("workloads", [])) > 1)
     lines += ["", "| " + " | ".join(title for _, title in columns) + " |",
               "|" + "---|" * len(columns)]
     for row in report["levels"]:
-        lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in columns) + " |")
+        lines.append("| " + " | ".join(_row_cell(row, key) for key, _ in columns) + " |")
     lines += _forward_table(report["levels"], [column for column in columns if column[0] in
-                                                ("concurrency", "mode", "workload")])
+                                                ("concurrency", "mode", "workload", "repeat")])
     errors = [(row["mode"], row["concurrency"], row["errors"]) for row in report["levels"]
               if row["errors"]]
     lines += ["", "Errors by status code: " + ("; ".join(
@@ -444,6 +479,22 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         "1). ITL: gaps between stream messages (one per round). mismatches: outputs that differ "
         "from the serial target-only output of the same prompt (must be 0).", ""]
     return "\n".join(lines)
+
+
+def _passes_table(passes: list[dict[str, Any]], repeats: int, workloads: bool) -> list[str]:
+    """Each mode's median ratio over target-only across the passes (none for one pass)."""
+    if repeats < 2 or not passes:
+        return []
+    lines = ["", f"x target-only over {repeats} passes: the median of each pass's ratio, and "
+             "each pass's ratio in the order run.", "",
+             "| clients | mode |" + (" workload |" if workloads else "")
+             + " median | each pass |", "|---|---|" + ("---|" if workloads else "") + "---|---|"]
+    for row in passes:
+        lines.append(f"| {row['concurrency']} | {row['mode']} |"
+                     + (f" {row['workload']} |" if workloads else "")
+                     + f" **{row['median_speedup']:.3g}x** | "
+                     + ", ".join(f"{value:.3g}x" for value in row["speedups"]) + " |")
+    return lines
 
 
 FORWARD_COLUMNS = (("target_forwards", "forwards"), ("target_busy", "target busy"),
@@ -461,7 +512,7 @@ def _forward_table(rows: list[dict[str, Any]], keys: list[tuple[str, str]]) -> l
              "| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         if "target_busy" in row:
-            cells = [f"{row[key]:.0%}" if key == "target_busy" else _cell(row.get(key))
+            cells = [f"{row[key]:.0%}" if key == "target_busy" else _row_cell(row, key)
                      for key, _ in columns]
             lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -80,7 +80,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sampled-prompts-per-category", type=int, default=None,
                         help="prompts per category in the sampled modes (default: as greedy)")
     parser.add_argument("--repeats", type=int, default=None, help="passes over the prompts "
-                        "(default 2)")
+                        "(default 2); with --concurrency, passes over the modes at each level "
+                        "(default 1), every other one in reverse order, reported with each "
+                        "mode's median ratio over target-only")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default 96")
     parser.add_argument("--max-adaptive-length", type=int, default=default("max-adaptive-length"),
                         help="longest draft the adaptive policy may choose")
@@ -269,6 +271,8 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
     if args.requests_per_client < 1:
         raise ValueError(f"--requests-per-client must be at least 1, got "
                          f"{args.requests_per_client}")
+    if args.repeats is not None and args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     import grpc
 
     from specdec.bench.harness import machine_info
@@ -294,7 +298,7 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
     settings = LoadSettings(levels, _csv(args.load_modes), max_new_tokens=max_new_tokens,
                             min_rounds=args.requests_per_client,
                             progress=not args.no_progress, temperature=mode.temperature,
-                            top_p=mode.top_p)
+                            top_p=mode.top_p, repeats=args.repeats or 1)
     stack = None
     endpoint = args.endpoint
     if not endpoint:
