@@ -21,7 +21,12 @@ from transformers import PreTrainedModel
 from specdec.engine import models
 from specdec.engine.attention import apply_attention_kernel
 from specdec.engine.backends.cpu import load_causal_lm
-from specdec.engine.kernels import ROW_INVARIANCE_PROBE_CAP, apply_linear_kernel, row_invariant_rows
+from specdec.engine.kernels import (
+    ROW_INVARIANCE_PROBE_CAP,
+    OneDnnLinear,
+    apply_linear_kernel,
+    row_invariant_rows,
+)
 from specdec.engine.runner import ExtendRequest, ExtendResult, ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted
@@ -286,6 +291,25 @@ def test_row_invariance_is_measured_for_the_onednn_kernel_only(bf16: PreTrainedM
     assert ModelRunner(_tiny("float32")).max_invariant_rows is None
 
 
+class _OrderChangesPast12Rows(OneDnnLinear):
+    """A oneDNN linear whose kernel, as on some CPUs for a wide output layer, sums in
+    another order beyond 12 rows: the result moves by one bfloat16 step there."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = super().forward(input)
+        return torch.nextafter(out, out + 1) if input.shape[0] > 12 else out
+
+
+def test_row_invariance_is_measured_on_every_shape_not_one_per_input_width() -> None:
+    narrow = nn.Linear(32, 8, bias=False).to(torch.bfloat16)
+    narrow.__class__ = OneDnnLinear
+    wide = nn.Linear(32, 96, bias=False).to(torch.bfloat16)
+    wide.__class__ = _OrderChangesPast12Rows
+    assert row_invariant_rows(nn.Sequential(narrow)) == ROW_INVARIANCE_PROBE_CAP
+    # The same input width: the wide layer's own probe finds where its order changes.
+    assert row_invariant_rows(nn.Sequential(narrow, wide)) == 12
+
+
 def test_a_batch_over_the_row_cap_is_split_into_whole_sessions(bf16: PreTrainedModel) -> None:
     model = bf16
     batched, alone = ModelRunner(model), ModelRunner(model)
@@ -347,12 +371,12 @@ def test_real_target_batched_rows_equal_alone_up_to_the_cap_and_split_beyond(
             assert isinstance(result, ExtendResult)
             _assert_same(result, _alone(alone, request), exact=True)
     # Over the cap: split into forwards of whole sessions, still bit-equal to alone.
-    batched.max_batch_rows = 40
+    batched.max_batch_rows = min(40, cap)
     requests = [_step(batched, f"s{index}", [11, 12, 13, 14, 15, 16, 17, 18, 19])
                 for index in range(sessions)]
     with _counting_forwards(model) as calls:
         results = batched.extend_batch(requests)
-    assert len(calls) == 3  # 4 sessions (36 rows) per forward
+    assert len(calls) == _forwards([9] * sessions, batched.max_batch_rows) > 1
     for request, result in zip(requests, results, strict=True):
         assert isinstance(result, ExtendResult)
         _assert_same(result, _alone(alone, request), exact=True)

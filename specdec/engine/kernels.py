@@ -26,12 +26,13 @@ blocked reduction whatever the row count; 1 row takes another path, so 1-3 rows 
 padded to 4 (also the fastest count): a row's logits do not depend on how many rows
 share the forward, which exact verification in bfloat16 needs
 (tests/test_row_invariance.py), and so does batching several sessions' rows into one
-forward. The count up to which that holds differs by CPU, so `row_invariant_rows`
-measures it when a model is loaded. Float32 keeps the skinny kernel under "auto": its
-one-row forward measured faster there. The reordered copy is held beside the weight
-(the weight stays: tied embeddings and state_dict read it), so linear weights take
-twice their memory. Autograd goes through `F.linear`: the reordered copy serves
-inference only, and is rebuilt if the weight changes.
+forward. The count up to which that holds differs by CPU and by weight shape, so
+`row_invariant_rows` measures it for every shape when a model is loaded. Float32 keeps
+the skinny kernel under "auto": its one-row forward measured faster there. The
+reordered copy is held beside the weight (the weight stays: tied embeddings and
+state_dict read it), so linear weights take twice their memory. Autograd goes through
+`F.linear`: the reordered copy serves inference only, and is rebuilt if the weight
+changes.
 """
 
 from __future__ import annotations
@@ -150,27 +151,30 @@ def row_invariant_rows(model: nn.Module, cap: int = ROW_INVARIANCE_PROBE_CAP) ->
     are not the oneDNN kernel (no such guarantee is made for the others).
 
     oneDNN sums a row's products in an order that depends on the row count only beyond
-    some count that differs by CPU, so it is measured: one weight matrix per distinct
-    input width of the model (the reduction length is what the order depends on), on a
-    seeded random probe, every n from ONEDNN_MIN_ROWS to cap. Measured once per model
-    object and remembered on it.
+    some count that differs by CPU and by the product's shape: the kernel it picks
+    depends on the output width as well as the reduction length, and on some CPUs a wide
+    output layer (the vocabulary projection) changes its order at far fewer rows than
+    the narrow ones. So it is measured: one weight matrix per distinct shape of the
+    model, on a seeded random probe, every n from ONEDNN_MIN_ROWS up to the smallest
+    count found so far (the widest first). Measured once per model object and
+    remembered on it.
     """
     known = getattr(model, _ROW_INVARIANT_ROWS_ATTR, False)
     if known is not False:
         return known  # type: ignore[no-any-return]
-    layers: dict[int, OneDnnLinear] = {}
+    layers: dict[tuple[int, int], OneDnnLinear] = {}
     for module in model.modules():
         if isinstance(module, nn.Linear) and not isinstance(module, OneDnnLinear):
             layers.clear()
             break
         if isinstance(module, OneDnnLinear):
-            current = layers.get(module.in_features)
-            if current is None or module.out_features < current.out_features:
-                layers[module.in_features] = module
+            layers.setdefault((module.in_features, module.out_features), module)
     result: int | None = None
     if layers and all(layer.weight.device.type == "cpu"
                       and layer.weight.dtype in ONEDNN_DTYPES for layer in layers.values()):
-        result = min(_invariant_rows(layer, cap) for layer in layers.values())
+        result = cap
+        for shape in sorted(layers, key=lambda shape: shape[0] * shape[1], reverse=True):
+            result = _invariant_rows(layers[shape], result)
         log.info("linear kernel row-invariant up to %d rows per forward (checked to %d); "
                  "larger batches are split", result, cap)
     setattr(model, _ROW_INVARIANT_ROWS_ATTR, result)
