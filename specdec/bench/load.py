@@ -308,6 +308,10 @@ class LoadSettings:
     # Passes over the modes at each level and workload, every other one in reverse order.
     repeats: int = 1
 
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
+
 
 def requests_at(level: int, prompts: int, min_rounds: int) -> int:
     return max(prompts, level * min_rounds)
@@ -323,8 +327,6 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
     levels = sorted(set(settings.concurrency))
     if not levels or levels[0] < 1:
         raise ValueError(f"concurrency levels must be positive integers, got {levels}")
-    if settings.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {settings.repeats}")
     target_only = LoadMode(TARGET_ONLY, 0, temperature=settings.temperature,
                            top_p=settings.top_p)
     by_workload: dict[str, list[LoadPrompt]] = {}
@@ -390,10 +392,10 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row's output throughput over target-only's at its level, workload and pass
     (None where target-only did not run there)."""
-    base = {(row["concurrency"], row["workload"], row.get("repeat", 0)): row["output_throughput"]
+    base = {(row["concurrency"], row["workload"], row["repeat"]): row["output_throughput"]
             for row in rows if row["mode"] == TARGET_ONLY}
     for row in rows:
-        reference = base.get((row["concurrency"], row["workload"], row.get("repeat", 0)))
+        reference = base.get((row["concurrency"], row["workload"], row["repeat"]))
         row["speedup"] = (round(row["output_throughput"] / reference, 3)
                           if reference and row["mode"] != TARGET_ONLY else None)
     return rows
@@ -427,7 +429,7 @@ COLUMNS = (("concurrency", "clients"), ("mode", "mode"), ("workload", "workload"
 
 def _row_cell(row: dict[str, Any], key: str) -> str:
     """A report row's cell; passes count from 1."""
-    return str(row.get(key, 0) + 1) if key == "repeat" else _cell(row.get(key))
+    return str(row["repeat"] + 1) if key == "repeat" else _cell(row.get(key))
 
 
 def _cell(value: Any) -> str:

@@ -271,8 +271,6 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
     if args.requests_per_client < 1:
         raise ValueError(f"--requests-per-client must be at least 1, got "
                          f"{args.requests_per_client}")
-    if args.repeats is not None and args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     import grpc
 
     from specdec.bench.harness import machine_info
@@ -298,7 +296,8 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
     settings = LoadSettings(levels, _csv(args.load_modes), max_new_tokens=max_new_tokens,
                             min_rounds=args.requests_per_client,
                             progress=not args.no_progress, temperature=mode.temperature,
-                            top_p=mode.top_p, repeats=args.repeats or 1)
+                            top_p=mode.top_p,
+                            repeats=args.repeats if args.repeats is not None else 1)
     stack = None
     endpoint = args.endpoint
     if not endpoint:
