@@ -18,7 +18,12 @@ from specdec.core.history import TokenHistory
 from specdec.core.interfaces import Proposal, Verification
 from specdec.core.loop import GenerateConfig, RoundEvent, generate
 from specdec.core.policy import FixedLength
-from specdec.core.prompt_lookup import LookupEvidence, PromptLookup, find_continuation
+from specdec.core.prompt_lookup import (
+    LookupEvidence,
+    NgramIndex,
+    PromptLookup,
+    find_continuation,
+)
 from specdec.core.sampling import SamplingParams
 from specdec.core.speculation_gate import Arm
 from specdec.core.stats import DRAFT_MODEL, PROMPT_LOOKUP
@@ -52,6 +57,41 @@ def test_no_match_no_proposal() -> None:
     assert find_continuation([1, 2, 3, 1], 4, min_ngram=1) == [2, 3, 1, 2]
     assert find_continuation([1, 2, 1, 2], 0) == []
     assert find_continuation([], 4) == [] and find_continuation([5], 4) == []
+
+
+def scanned_continuation(tokens: list[int], max_tokens: int, min_ngram: int,
+                         max_ngram: int) -> list[int]:
+    """The lookup's rule by a plain scan of the whole history."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        starts = [start for start in range(len(tokens) - n)
+                  if tokens[start:start + n] == tokens[-n:]]
+        if starts:
+            out: list[int] = []
+            for offset in range(max_tokens):
+                index = starts[-1] + n + offset
+                out.append(tokens[index] if index < len(tokens) else out[index - len(tokens)])
+            return out
+    return []
+
+
+@pytest.mark.parametrize(("min_ngram", "max_ngram"), [(2, 4), (1, 3)])
+def test_the_kept_index_answers_as_a_scan_of_the_whole_history(min_ngram: int,
+                                                               max_ngram: int) -> None:
+    """A generation's index, updated round by round (a few tokens each, and once a
+    history that no longer extends it: a cut), answers every round as a scan would."""
+    generator = torch.Generator().manual_seed(min_ngram)
+    index = NgramIndex(min_ngram, max_ngram)
+    history = TokenHistory([int(t) for t in torch.randint(0, 5, (12,), generator=generator)])
+    asked = 0
+    for round_index in range(120):
+        if round_index == 60:  # a different history of the same length: indexed afresh
+            history = TokenHistory([(token + 1) % 5 for token in history.tokens])
+        expected = scanned_continuation(history.tokens, 6, min_ngram, max_ngram)
+        assert index.continuation(history, 6) == expected
+        asked += bool(expected)
+        history.extend(int(t) for t in torch.randint(0, 5, (1 + round_index % 4,),
+                                                     generator=generator))
+    assert asked > 60  # most rounds found a match: the comparison is not vacuous
 
 
 def test_proposals_carry_a_one_hot_q_when_sampling() -> None:
@@ -269,9 +309,9 @@ LAW_PROMPT = [1, 5, 2, 1, 5]  # 1-gram matches at most positions of an 8-token v
 class UniformQLookup(PromptLookup):
     """A plausible bug: a deterministic proposal reported as if drawn uniformly."""
 
-    def propose(self, committed: TokenHistory, limit: int,
-                params: SamplingParams) -> Proposal | None:
-        proposal = super().propose(committed, limit, params)
+    def propose(self, committed: TokenHistory, limit: int, params: SamplingParams,
+                index: NgramIndex | None = None) -> Proposal | None:
+        proposal = super().propose(committed, limit, params, index)
         if proposal is None or proposal.probs is None:
             return proposal
         uniform = torch.full_like(proposal.probs, 1.0 / self.vocab_size)

@@ -131,6 +131,23 @@ def test_the_request_tree_proposes_from_its_own_prompt() -> None:
     assert proposer.propose(TokenHistory([3, 1, 4, 3, 1]), 0, SamplingParams()) is None
 
 
+def test_the_request_tree_follows_its_history_and_starts_afresh_on_another() -> None:
+    """Rounds index only what was committed since; a history that no longer extends the
+    indexed one (same length, other tokens) is indexed from the start, so drafts equal
+    a fresh proposer's either way."""
+    def fresh() -> SuffixProposer:
+        return SuffixProposer(vocab_size=16, max_tokens=4, max_spec_factor=4.0)
+
+    kept, history = fresh(), TokenHistory([3, 1, 4, 1, 5])
+    for more in ([9, 2, 3], [1, 4], [1, 5, 9]):
+        history.extend(more)
+        assert kept.draft(history, 8) == fresh().draft(history, 8)
+    other = TokenHistory([(token + 7) % 16 for token in history.tokens])
+    new = fresh()
+    assert new.draft(other, 8) is not None and kept.draft(other, 8) == new.draft(other, 8)
+    assert kept.tree.nodes == new.tree.nodes  # nothing of the first history is left
+
+
 def test_the_global_cache_evicts_oldest_first_by_count_and_by_memory() -> None:
     cache = SuffixCache(max_depth=4, max_requests=2, max_bytes=1 << 30)
     for response in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):

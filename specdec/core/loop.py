@@ -25,7 +25,7 @@ from specdec.core.policy import (
     FixedLength,
     LengthPolicy,
 )
-from specdec.core.prompt_lookup import LookupEvidence, PromptLookup
+from specdec.core.prompt_lookup import LookupEvidence, NgramIndex, PromptLookup
 from specdec.core.sampling import SamplingParams
 from specdec.core.stats import GenerationStats
 from specdec.core.suffix_cache import SuffixDraft
@@ -136,6 +136,7 @@ class _Generation:
     prompt_len: int
     num_alternatives: int
     lookup_evidence: LookupEvidence | None
+    lookup_index: NgramIndex | None = None
     suffix_evidence: SuffixEvidence | None = None
     costed: CostedPolicy | None = None  # the policy, where it prices rounds
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -165,7 +166,8 @@ class _Generation:
         offers: list[Offer] = []
         lookup, found = self.config.prompt_lookup, None
         if lookup is not None and self.lookup_evidence is not None:
-            found = lookup.propose(self.committed, self.remaining - 1, self.params)
+            found = lookup.propose(self.committed, self.remaining - 1, self.params,
+                                   self.lookup_index)
             offer = (lookup_offer(found, self.lookup_evidence, self.policy, asked)
                      if found is not None else None)
             offers += [offer] if offer is not None else []
@@ -344,6 +346,7 @@ def _start(drafter: Drafter | None, verifier: Verifier, prompt_ids: Sequence[int
         num_alternatives=config.num_alternatives,
         lookup_evidence=(LookupEvidence(config.prompt_lookup.max_tokens, shared=shared_lookup)
                          if config.prompt_lookup is not None else None),
+        lookup_index=config.prompt_lookup.index() if config.prompt_lookup is not None else None,
         suffix_evidence=(SuffixEvidence(shared=shared_suffix)
                          if config.suffix is not None else None),
         costed=costed)

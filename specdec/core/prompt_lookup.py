@@ -40,27 +40,65 @@ DEFAULT_MIN_NGRAM: int = default("prompt-lookup-min")
 DEFAULT_MAX_NGRAM: int = default("prompt-lookup-max")
 
 
+class NgramIndex:
+    """Where each n-gram of a token history (min_ngram <= n <= max_ngram) last began,
+    among those followed by at least one token: a lookup's question, answered in the
+    time of the tokens added since the last one, so a round costs the coordinator the
+    same at any context length. One per generation; a history that no longer extends
+    the indexed one (a cut at a stop string) is indexed afresh."""
+
+    def __init__(self, min_ngram: int = DEFAULT_MIN_NGRAM,
+                 max_ngram: int = DEFAULT_MAX_NGRAM) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got "
+                             f"{min_ngram} and {max_ngram}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._starts: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start
+        self._indexed = 0  # history length the index reflects
+        self._fingerprint = 0  # the history's fingerprint at that length
+
+    def _update(self, history: TokenHistory) -> None:
+        if (len(history) < self._indexed
+                or history.fingerprint(self._indexed) != self._fingerprint):
+            self._starts, self._indexed = {}, 0
+        tokens = history.tokens
+        # New: the n-grams that end before the last token and not before the last one
+        # indexed (those are followed by a token now). Later starts overwrite earlier ones.
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            first, stop = max(0, self._indexed - n), len(tokens) - n
+            if stop > first:
+                grams = zip(*(tokens[first + i:stop + i] for i in range(n)), strict=True)
+                self._starts.update(zip(grams, range(first, stop), strict=True))
+        self._indexed, self._fingerprint = len(tokens), history.fingerprint()
+
+    def continuation(self, history: TokenHistory, max_tokens: int) -> list[int]:
+        """Up to max_tokens tokens that followed the latest earlier occurrence of the
+        longest matching tail n-gram; [] when none occurred."""
+        if max_tokens <= 0:
+            return []
+        self._update(history)
+        tokens = history.tokens
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            start = self._starts.get(tuple(tokens[-n:]))
+            if start is not None:
+                source = start + n
+                # Copy token by token so that a match inside a repeating stretch continues
+                # the repetition past the end of the history (period p: p tokens, then
+                # again).
+                out: list[int] = []
+                for offset in range(max_tokens):
+                    index = source + offset
+                    out.append(tokens[index] if index < len(tokens) else out[index - len(tokens)])
+                return out
+        return []
+
+
 def find_continuation(tokens: Sequence[int], max_tokens: int, min_ngram: int = DEFAULT_MIN_NGRAM,
                       max_ngram: int = DEFAULT_MAX_NGRAM) -> list[int]:
-    """Up to max_tokens tokens that followed the latest earlier occurrence of the longest
-    matching tail n-gram (max_ngram >= n >= min_ngram); [] when none occurred."""
-    if max_tokens <= 0 or min_ngram < 1:
+    """NgramIndex.continuation for a one-off question (it indexes the whole history)."""
+    if max_tokens <= 0 or not 1 <= min_ngram <= max_ngram:
         return []
-    history = torch.tensor(tokens, dtype=torch.long)
-    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
-        # Windows that end before the last token: each is followed by at least one token.
-        windows = history[:-1].unfold(0, n, 1)
-        starts = (windows == history[-n:]).all(dim=1).nonzero()
-        if len(starts):
-            source = int(starts[-1]) + n
-            # Copy token by token so that a match inside a repeating stretch continues
-            # the repetition past the end of the history (period p: p tokens, then again).
-            out: list[int] = []
-            for offset in range(max_tokens):
-                index = source + offset
-                out.append(tokens[index] if index < len(tokens) else out[index - len(tokens)])
-            return out
-    return []
+    return NgramIndex(min_ngram, max_ngram).continuation(TokenHistory(tokens), max_tokens)
 
 
 @dataclass(frozen=True)
@@ -77,12 +115,17 @@ class PromptLookup:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got "
                              f"{self.min_ngram} and {self.max_ngram}")
 
-    def propose(self, committed: TokenHistory, limit: int,
-                params: SamplingParams) -> Proposal | None:
-        """A proposal of at most min(max_tokens, limit) tokens, or None without a match."""
+    def index(self) -> NgramIndex:
+        """A generation's own index of its history, for propose."""
+        return NgramIndex(self.min_ngram, self.max_ngram)
+
+    def propose(self, committed: TokenHistory, limit: int, params: SamplingParams,
+                index: NgramIndex | None = None) -> Proposal | None:
+        """A proposal of at most min(max_tokens, limit) tokens, or None without a match.
+        index: the generation's (kept between rounds); None indexes committed afresh."""
         started = time.perf_counter()
-        tokens = find_continuation(committed.tokens, min(self.max_tokens, limit),
-                                   self.min_ngram, self.max_ngram)
+        index = index if index is not None else self.index()
+        tokens = index.continuation(committed, min(self.max_tokens, limit))
         if not tokens:
             return None
         probs = None

@@ -147,7 +147,8 @@ class SuffixProposer:
     max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR
     min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
     tree: SuffixTree = field(init=False)
-    _indexed: list[int] = field(init=False, default_factory=list)
+    _indexed: int = field(init=False, default=0)  # committed length the tree reflects
+    _fingerprint: int = field(init=False, default=0)  # the committed text's at that length
     _open_paths: list[int] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -155,21 +156,23 @@ class SuffixProposer:
             raise ValueError(f"a suffix proposer needs max_tokens >= 1, got {self.max_tokens}")
         self.tree = SuffixTree(self.max_depth)
 
-    def _index(self, tokens: Sequence[int]) -> None:
-        """Bring the request's tree up to the committed text (it only grows during a
-        generation; a cut at a stop string ends it)."""
-        if len(tokens) < len(self._indexed) or tokens[:len(self._indexed)] != self._indexed:
-            self.tree, self._indexed, self._open_paths = SuffixTree(self.max_depth), [], []
-        for token in tokens[len(self._indexed):]:
+    def _index(self, committed: TokenHistory) -> None:
+        """Bring the request's tree up to the committed text, in the time of the tokens
+        added since (it only grows during a generation; a cut at a stop string ends it,
+        and a history that no longer extends the indexed one is indexed afresh)."""
+        if (len(committed) < self._indexed
+                or committed.fingerprint(self._indexed) != self._fingerprint):
+            self.tree, self._indexed, self._open_paths = SuffixTree(self.max_depth), 0, []
+        for token in committed.tokens[self._indexed:]:
             self._open_paths = self.tree.append(self._open_paths, token)
-            self._indexed.append(token)
+        self._indexed, self._fingerprint = len(committed), committed.fingerprint()
 
     def draft(self, committed: TokenHistory, limit: int) -> SuffixDraft | None:
         """The best-scoring draft of at most max_tokens nodes, none deeper than limit."""
         if limit <= 0:
             return None
+        self._index(committed)
         tokens = committed.tokens
-        self._index(tokens)
         budget = self.max_tokens
         own = speculate(self.tree, tokens, budget, limit, self.max_spec_factor,
                         self.min_token_prob)
