@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -27,6 +28,7 @@ from specdec.bench.load import (
     run_load,
     write_outputs,
 )
+from specdec.bench.process_cpu import ProcessCpu, cpu_row, used_between
 from specdec.proto.specdec.v1 import coordinator_pb2_grpc
 from specdec.telemetry.service import Telemetry
 
@@ -96,6 +98,15 @@ def test_load_modes_parse() -> None:
     assert sampled.sampling.HasField("seed")  # one seed per prompt, the same in every mode
 
 
+def test_cpu_columns_are_cores_busy_and_the_coordinators_ms_per_round() -> None:
+    used = used_between({"coordinator": 1.0, "draft": 2.0, "target": 5.0},
+                        {"coordinator": 1.5, "target": 9.0})  # the draft's process had gone
+    assert used == {"coordinator": 0.5, "target": 4.0}
+    assert cpu_row(used, 4.0, 100) == {"coordinator_cores": 0.125, "target_cores": 1.0,
+                                       "coordinator_ms_per_round": 5.0}
+    assert cpu_row(used, 4.0, 0) == {"coordinator_cores": 0.125, "target_cores": 1.0}
+
+
 def test_percentile_interpolates() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
@@ -106,9 +117,10 @@ def test_the_load_test_reports_every_mode_at_every_level(services, tmp_path) -> 
     stub, handles = coordinator_stub(services, CoordinatorSettings())
     try:
         progress = io.StringIO()
+        # The services run in this process here: its CPU time stands for the coordinator's.
         report = run_load(stub, LoadSettings((1, 2, 4), ("target-only", "k=2", "adaptive"),
                                              max_new_tokens=10, warmup_tokens=2),
-                          PROMPTS, out=progress)
+                          PROMPTS, out=progress, cpu=ProcessCpu({"coordinator": os.getpid()}))
     finally:
         close(handles)
     rows = report["levels"]
@@ -124,6 +136,8 @@ def test_the_load_test_reports_every_mode_at_every_level(services, tmp_path) -> 
             assert row[key] is not None and row[key] > 0, key
         assert row["p50_e2e_ms"] <= row["p99_e2e_ms"]
         assert row["compared"] == len(PROMPTS) and row["mismatches"] == 0
+        assert row["coordinator_cores"] > 0 and row["coordinator_ms_per_round"] > 0
+        assert "draft_cores" not in row  # no process sampled for it
     speculative = [r for r in rows if r["mode"] != "target-only"]
     assert all(r["draft_tokens_per_round"] > 0 for r in speculative)
     assert len(report["requests"]) == 9 * len(PROMPTS)
@@ -132,6 +146,7 @@ def test_the_load_test_reports_every_mode_at_every_level(services, tmp_path) -> 
     assert json.loads(paths["json"].read_text())["levels"] == rows
     markdown = paths["markdown"].read_text()
     assert "| clients | mode |" in markdown and "mismatches" in markdown
+    assert "| clients | mode | coordinator CPU ms/round | coordinator cores |" in markdown
     assert paths["plot"].stat().st_size > 0
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 
 from specdec.bench.configs import SUFFIXES
+from specdec.bench.process_cpu import CPU_COLUMNS, ProcessCpu, cpu_row, used_between
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 TARGET_ONLY = "target-only"
@@ -136,6 +137,7 @@ class LevelRun:
     workload: str = "prompts"
     window_ns: tuple[int, int] = (0, 0)  # wall clock (time.time_ns) at its start and end
     repeat: int = 0  # which pass over the modes
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per service role
 
 
 def request_for(mode: LoadMode, prompt: LoadPrompt, max_new_tokens: int,
@@ -288,6 +290,7 @@ def summarise_level(run: LevelRun, serial: dict[str, list[int]]) -> dict[str, An
         "draft_tokens_per_round": round(draft_tokens / rounds, 2) if rounds else 0.0,
         "acceptance": round(sum(r.accepted_tokens for r in ok) / draft_tokens, 3)
         if draft_tokens else None,
+        **cpu_row(run.cpu_s, run.wall_s, rounds),
     }
 
 
@@ -319,8 +322,9 @@ def requests_at(level: int, prompts: int, min_rounds: int) -> int:
 
 def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
              prompts: Sequence[LoadPrompt], *, meta: dict[str, Any] | None = None,
-             out: Any = None) -> dict[str, Any]:
-    """Every mode at every level (the modes in turn within a level); the report."""
+             out: Any = None, cpu: ProcessCpu | None = None) -> dict[str, Any]:
+    """Every mode at every level (the modes in turn within a level); the report. cpu:
+    the services' processes, whose CPU time each phase reports (specdec.bench.process_cpu)."""
     out = out if out is not None else sys.stderr
     modes = [replace(parse_load_mode(name), temperature=settings.temperature,
                      top_p=settings.top_p) for name in settings.modes]
@@ -372,10 +376,12 @@ def run_load(stub: coordinator_pb2_grpc.CoordinatorStub, settings: LoadSettings,
         chosen = by_workload[workload]
         label = (f"{mode.name} c={level}" + (f" {workload}" if several else "")
                  + (f" pass {repeat + 1}/{settings.repeats}" if settings.repeats > 1 else ""))
+        before = cpu.sample() if cpu is not None else {}
         run = run_level(stub, mode, level, chosen,
                         requests_at(level, len(chosen), settings.min_rounds),
                         settings.max_new_tokens, settings.timeout_s, progress(label, 0),
                         workload, repeat)
+        run.cpu_s = used_between(before, cpu.sample()) if cpu is not None else {}
         if level == 1 and mode == target_only and settings.temperature == 0:
             serial.update({r.prompt_id: r.token_ids for r in run.records if r.code == "OK"})
         runs.append(run)
@@ -505,16 +511,22 @@ FORWARD_COLUMNS = (("target_forwards", "forwards"), ("target_busy", "target busy
 
 
 def _forward_table(rows: list[dict[str, Any]], keys: list[tuple[str, str]]) -> list[str]:
-    """The target's forwards per phase (specdec.bench.forwards), where its trace had them."""
-    if not any("target_busy" in row for row in rows):
+    """The target's forwards per phase (specdec.bench.forwards), where its trace had them,
+    and the services' CPU time (specdec.bench.process_cpu), where it was sampled."""
+    shown = [column for column in (*FORWARD_COLUMNS, *CPU_COLUMNS)
+             if any(column[0] in row for row in rows)]
+    if not shown:
         return []
-    columns = [*keys, *FORWARD_COLUMNS]
-    lines = ["", "The target's forwards in each phase, from its trace: target busy = forward "
-             "time over the phase's wall time; rows include prefill.", "",
+    columns = [*keys, *shown]
+    lines = ["", "The services in each phase: the target's forwards from its trace (target "
+             "busy = forward time over the phase's wall time; rows include prefill), CPU "
+             "from the processes (cores = CPU seconds over wall seconds; ms/round over the "
+             "completed requests' rounds).", "",
              "| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        if "target_busy" in row:
-            cells = [f"{row[key]:.0%}" if key == "target_busy" else _row_cell(row, key)
+        if any(key in row for key, _ in shown):
+            cells = [f"{row[key]:.0%}" if key == "target_busy" and key in row
+                     else _row_cell(row, key)
                      for key, _ in columns]
             lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -275,6 +275,7 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
 
     from specdec.bench.harness import machine_info
     from specdec.bench.load import LoadPrompt, LoadSettings, run_load, write_outputs
+    from specdec.bench.process_cpu import ProcessCpu
     from specdec.bench.prompts import prompt_encoder, select
     from specdec.bench.workloads import workload_prompts
     from specdec.engine.models import load_tokenizer
@@ -323,11 +324,15 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
                   "prompts as text (a conversation as its transcript in one user turn)",
                   file=sys.stderr)
             prompts = [LoadPrompt(p.id, [], p.transcript, p.workload) for p in chosen]
+        cpu = (ProcessCpu({role: process.pid
+                           for role, process in stack.stack.processes.items()})
+               if stack is not None else None)
         with grpc.insecure_channel(endpoint) as channel:
             report = run_load(coordinator_pb2_grpc.CoordinatorStub(channel), settings, prompts,
                               meta={"machine": machine_info(), "endpoint": endpoint,
                                     "target_model": args.target_model,
-                                    "draft_model": args.draft_model, "dtype": args.dtype})
+                                    "draft_model": args.draft_model, "dtype": args.dtype},
+                              cpu=cpu)
     finally:
         if stack is not None:
             stack.close()  # the services flush their traces as they stop
