@@ -62,8 +62,9 @@ class NgramIndex:
                 or history.fingerprint(self._indexed) != self._fingerprint):
             self._starts, self._indexed = {}, 0
         tokens = history.tokens
-        # New: the n-grams that end before the last token and not before the last one
-        # indexed (those are followed by a token now). Later starts overwrite earlier ones.
+        # The n-grams now followed by a token that were not at the last update: those
+        # ending at positions indexed - 1 .. len - 2. A later start overwrites an earlier
+        # one, so each n-gram maps to its latest occurrence.
         for n in range(self.min_ngram, self.max_ngram + 1):
             first, stop = max(0, self._indexed - n), len(tokens) - n
             if stop > first:
