@@ -41,6 +41,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         max_queued_requests=args.max_queued_requests,
         suffix_max_tokens=args.suffix_max_tokens,
         suffix_max_tree_depth=args.suffix_max_tree_depth,
+        suffix_prompt_tokens=args.suffix_prompt_tokens,
         suffix_max_cached_requests=args.suffix_max_cached_requests,
         suffix_cache_mb=args.suffix_cache_mb,
         suffix_max_spec_factor=args.suffix_max_spec_factor,

@@ -100,6 +100,7 @@ class CoordinatorSettings:
     # Suffix decoding (specdec.core.suffix_cache); suffix_max_tokens 0 = off.
     suffix_max_tokens: int = default("suffix-max-tokens")
     suffix_max_tree_depth: int = default("suffix-max-tree-depth")
+    suffix_prompt_tokens: int = default("suffix-prompt-tokens")
     suffix_max_cached_requests: int = default("suffix-max-cached-requests")
     suffix_cache_mb: int = default("suffix-cache-mb")
     suffix_max_spec_factor: float = default("suffix-max-spec-factor")
@@ -191,6 +192,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.settings.suffix_max_spec_factor <= 0:
             raise ValueError(f"suffix max spec factor must be > 0, got "
                              f"{self.settings.suffix_max_spec_factor}")
+        if self.settings.suffix_prompt_tokens < 0:
+            raise ValueError(f"suffix prompt tokens must be >= 0 (0 = no limit), got "
+                             f"{self.settings.suffix_prompt_tokens}")
 
     def service(self) -> Service:
         return Service(SERVICE_NAME,
@@ -418,7 +422,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                               self.suffix_cache if shared else None, tenant,
                               self.settings.suffix_max_tree_depth,
                               self.settings.suffix_max_spec_factor,
-                              self.settings.suffix_min_token_prob)
+                              self.settings.suffix_min_token_prob,
+                              self.settings.suffix_prompt_tokens)
 
     def _route(self, role: str, replicas: ReplicaSet, session_id: str) -> ReplicaRoute:
         """Pin the session to a replica; every pin (at start or after a move) is counted."""

@@ -3,9 +3,9 @@
 Both run in the coordinator's Python, once per round of every adaptive request, before the
 round's calls. For histories of several lengths (the repetition workload's prompts, encoded
 and repeated, with a seeded 5 % of the tokens replaced so that the text is not periodic),
-it times the first round (which indexes the whole history: a request's prompt) and then the
+it times the first round (which indexes the history: a request's prompt) and then the
 mean of --rounds rounds that each commit 3 more tokens, and reports the request tree's
-size:
+size, with the default SPECDEC_SUFFIX_PROMPT_TOKENS and without a limit (0):
 
     .venv/bin/python scripts/measure_proposer_cost.py --lengths 500,2000,8000,32000
 """
@@ -29,6 +29,7 @@ from specdec.core.prompt_lookup import PromptLookup  # noqa: E402
 from specdec.core.sampling import SamplingParams  # noqa: E402
 from specdec.core.suffix_proposer import SuffixProposer  # noqa: E402
 from specdec.engine.models import load_tokenizer  # noqa: E402
+from specdec.settings import default  # noqa: E402
 
 COMMITTED_PER_ROUND = 3
 
@@ -71,21 +72,23 @@ def main() -> int:
     params = SamplingParams()
     print(f"{len(text)} tokens of repetition-workload prompts, repeated; "
           f"{COMMITTED_PER_ROUND} tokens committed a round, {args.rounds} rounds\n")
-    print("| history tokens | lookup: first round ms | lookup: ms a round | suffix: first "
-          "round ms | suffix: ms a round | request tree nodes | request tree MiB |")
+    limit = default("suffix-prompt-tokens")
+    print(f"| history tokens | lookup: first round ms | lookup: ms a round | suffix, limit "
+          f"{limit}: first round ms, MiB | ms a round | suffix, no limit: first round ms, "
+          "MiB | ms a round |")
     print("|---|---|---|---|---|---|---|")
     for length in (int(value) for value in args.lengths.split(",")):
         tokens = history_of(length + COMMITTED_PER_ROUND * args.rounds, text, vocab_size)
         lookup = PromptLookup(vocab_size)
-        suffix = SuffixProposer(vocab_size, max_tokens=16)
-        lookup_first, lookup_round = timed(
-            partial(lookup.propose, limit=16, params=params, index=lookup.index()), tokens,
-            length, args.rounds)
-        suffix_first, suffix_round = timed(partial(suffix.draft, limit=16), tokens, length,
-                                           args.rounds)
-        timings = [lookup_first, lookup_round, suffix_first, suffix_round]
-        print(f"| {length} | {timings[0]:.1f} | {timings[1]:.3f} | {timings[2]:.0f} | "
-              f"{timings[3]:.3f} | {suffix.tree.nodes} | {suffix.tree.bytes / 2**20:.1f} |")
+        first, per_round = timed(partial(lookup.propose, limit=16, params=params,
+                                         index=lookup.index()), tokens, length, args.rounds)
+        cells = [f"{first:.1f}", f"{per_round:.3f}"]
+        for prompt_tokens in (limit, 0):
+            suffix = SuffixProposer(vocab_size, max_tokens=16, prompt_tokens=prompt_tokens)
+            first, per_round = timed(partial(suffix.draft, limit=16), tokens, length,
+                                     args.rounds)
+            cells += [f"{first:.0f}, {suffix.tree.bytes / 2**20:.1f}", f"{per_round:.3f}"]
+        print(f"| {length} | " + " | ".join(cells) + " |")
     return 0
 
 

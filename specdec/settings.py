@@ -172,6 +172,11 @@ _ALL = (
     Setting("suffix-max-tree-depth", 24,
             "coordinator: longest substring the suffix trees hold: matched text plus "
             "proposed continuation", SPECULATION, type=int, advanced=True),
+    Setting("suffix-prompt-tokens", 4096,
+            "coordinator: a request's own suffix tree starts from at most this many of its "
+            "latest tokens, which bounds what a long prompt costs the coordinator in time and "
+            "memory (prompt lookup still searches the whole prompt; 0 = no limit)",
+            SPECULATION, type=int, advanced=True),
     Setting("suffix-max-cached-requests", 10000,
             "coordinator: earlier responses the global suffix tree holds, oldest evicted "
             "first (0 = this request's text only)", SPECULATION, type=int),
@@ -296,8 +301,8 @@ SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-
                     "num-draft-tokens", "draft-confidence",
                     "draft-alternatives", "prompt-lookup-tokens", "prompt-lookup-min",
                     "prompt-lookup-max", "suffix-max-tokens", "suffix-max-tree-depth",
-                    "suffix-max-cached-requests", "suffix-cache-mb", "suffix-max-spec-factor",
-                    "suffix-min-token-prob", "suffix-share-tenants",
+                    "suffix-prompt-tokens", "suffix-max-cached-requests", "suffix-cache-mb",
+                    "suffix-max-spec-factor", "suffix-min-token-prob", "suffix-share-tenants",
                     "max-new-tokens-limit", "draft-timeout-ms",
                     "target-timeout-s", "grace-s", "max-batch-sessions",
                     "max-batch-rows", "max-batch-prefills",

@@ -148,6 +148,23 @@ def test_the_request_tree_follows_its_history_and_starts_afresh_on_another() -> 
     assert kept.tree.nodes == new.tree.nodes  # nothing of the first history is left
 
 
+def test_a_long_prompt_is_indexed_from_its_latest_tokens() -> None:
+    """With prompt_tokens = 10 the request tree holds what a tree of the last 10 tokens
+    holds, and drafts as it does, also as the output grows."""
+    prompt = [(7 * i) % 13 for i in range(40)]
+    windowed = SuffixProposer(16, 4, max_spec_factor=4.0, prompt_tokens=10)
+    history, recent = TokenHistory(prompt), TokenHistory(prompt[-10:])
+    for more in ([], [3, 5], [10, 4, 11]):
+        history.extend(more)
+        recent.extend(more)
+        whole = SuffixProposer(16, 4, max_spec_factor=4.0, prompt_tokens=0)
+        assert windowed.draft(history, 8) == whole.draft(recent, 8)
+        assert windowed.tree.nodes == whole.tree.nodes
+    unlimited = SuffixProposer(16, 4, max_spec_factor=4.0, prompt_tokens=0)
+    unlimited.draft(history, 8)
+    assert unlimited.tree.nodes > windowed.tree.nodes  # the limit took effect
+
+
 def test_the_global_cache_evicts_oldest_first_by_count_and_by_memory() -> None:
     cache = SuffixCache(max_depth=4, max_requests=2, max_bytes=1 << 30)
     for response in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):

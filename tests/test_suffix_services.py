@@ -9,10 +9,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from service_harness import Services
+from service_harness import Services, target_info
 from tiny_models import tiny_llama
 
-from coordinator.servicer import CoordinatorSettings
+from coordinator.endpoints import StaticEndpoints
+from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
 from specdec.proto.specdec.v1 import coordinator_pb2
 from specdec.serving.http_api.parsing import ApiError, parse
 
@@ -89,6 +90,19 @@ def test_suffix_off_refuses_the_suffix_method() -> None:
         assert generate(stack, method="auto").stats.suffix_drafts == 0
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize(("setting", "value", "names"), [
+    ("suffix_prompt_tokens", -1, "suffix prompt tokens"),
+    ("suffix_max_spec_factor", 0.0, "suffix max spec factor"),
+    ("suffix_min_token_prob", 1.5, "suffix min token probability"),
+])
+def test_a_bad_suffix_setting_stops_the_coordinator_at_start(setting: str, value: object,
+                                                             names: str) -> None:
+    with pytest.raises(ValueError, match=names):
+        CoordinatorServicer(target_info(tiny_llama(VOCAB, seed=25), ()),
+                            StaticEndpoints("127.0.0.1:1", None),
+                            settings=CoordinatorSettings(**{setting: value}))
 
 
 class Metadata:

@@ -146,6 +146,10 @@ class SuffixProposer:
     max_depth: int = default("suffix-max-tree-depth")
     max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR
     min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
+    # The tree starts from at most this many of the latest committed tokens (0: all):
+    # indexing costs the coordinator time and memory per token, and prompt lookup still
+    # searches the whole text.
+    prompt_tokens: int = default("suffix-prompt-tokens")
     tree: SuffixTree = field(init=False)
     _indexed: int = field(init=False, default=0)  # committed length the tree reflects
     _fingerprint: int = field(init=False, default=0)  # the committed text's at that length
@@ -159,10 +163,13 @@ class SuffixProposer:
     def _index(self, committed: TokenHistory) -> None:
         """Bring the request's tree up to the committed text, in the time of the tokens
         added since (it only grows during a generation; a cut at a stop string ends it,
-        and a history that no longer extends the indexed one is indexed afresh)."""
-        if (len(committed) < self._indexed
+        and a history that no longer extends the indexed one is indexed afresh, from its
+        latest prompt_tokens tokens)."""
+        if (self._indexed == 0 or len(committed) < self._indexed
                 or committed.fingerprint(self._indexed) != self._fingerprint):
-            self.tree, self._indexed, self._open_paths = SuffixTree(self.max_depth), 0, []
+            self.tree, self._open_paths = SuffixTree(self.max_depth), []
+            self._indexed = (max(0, len(committed) - self.prompt_tokens)
+                             if self.prompt_tokens > 0 else 0)
         for token in committed.tokens[self._indexed:]:
             self._open_paths = self.tree.append(self._open_paths, token)
         self._indexed, self._fingerprint = len(committed), committed.fingerprint()
