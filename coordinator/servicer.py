@@ -176,6 +176,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                         self.settings.suffix_max_cached_requests,
                                         self.settings.suffix_cache_mb << 20)
         self.telemetry.watch_suffix_cache(self.suffix_cache.usage)
+        # The running requests' own suffix trees, by id(proposer), for their memory gauge.
+        self._request_trees: dict[int, SuffixProposer] = {}
+        self._request_trees_lock = threading.Lock()
+        self.telemetry.watch_suffix_request_trees(self.request_trees_bytes)
         # Round costs are a property of this deployment: every adaptive session shares them.
         self.costs = CostModel()
         # How much speculation raises this deployment's output rate at the current load.
@@ -345,6 +349,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         log.debug("request %r: session %s on target %s, draft %s", request_id, session_id,
                   verifier.endpoint, drafter.endpoint if drafter else None)
         kind = acceptance_key(valid.sampling.greedy)  # the deployment's priors are per kind
+        suffix = self._suffix(valid, tenant)
         config = GenerateConfig(max_new_tokens=valid.max_new_tokens, sampling=valid.sampling,
                                 num_draft_tokens=valid.num_draft_tokens,
                                 draft_confidence=valid.draft_confidence,
@@ -353,7 +358,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 prompt_lookup=self._prompt_lookup(valid),
                                 lookup_acceptance=self.costs.lookup_acceptance.get(
                                     kind, self.settings.max_draft_tokens),
-                                suffix=self._suffix(valid, tenant),
+                                suffix=suffix,
                                 suffix_calibration=self.costs.suffix_calibration.get(kind),
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
                                 session_id=session_id)
@@ -388,9 +393,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
         backoff = policies.DraftBackoff(self.settings.draft_backoff_initial_s,
                                         self.settings.draft_backoff_max_s)
-        result = generate(loop_drafter, loop_verifier, valid.prompt_ids, config,
-                          policy=policy, decode=self.decode, on_round=on_round,
-                          backoff=backoff)
+        if suffix is not None:
+            with self._request_trees_lock:
+                self._request_trees[id(suffix)] = suffix
+        try:
+            result = generate(loop_drafter, loop_verifier, valid.prompt_ids, config,
+                              policy=policy, decode=self.decode, on_round=on_round,
+                              backoff=backoff)
+        finally:
+            if suffix is not None:
+                with self._request_trees_lock:
+                    del self._request_trees[id(suffix)]
         if ((config.suffix is None or config.suffix.cache is None)
                 and self.settings.suffix_max_tokens > 0):
             # Every response joins its tenant's tree (a suffix request's own did in the
@@ -399,6 +412,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if observed is not None:
             observed.finish(result)
         return result
+
+    def request_trees_bytes(self) -> int:
+        """Estimated memory of the running requests' own suffix trees."""
+        with self._request_trees_lock:
+            trees = [proposer.tree for proposer in self._request_trees.values()]
+        return sum(tree.bytes for tree in trees)
 
     def _prompt_lookup(self, valid: ValidRequest) -> PromptLookup | None:
         if (valid.num_draft_tokens == 0 or valid.prompt_lookup_tokens == 0

@@ -14,6 +14,7 @@ from tiny_models import tiny_llama
 
 from coordinator.endpoints import StaticEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
+from coordinator.validation import validate
 from specdec.proto.specdec.v1 import coordinator_pb2
 from specdec.serving.http_api.parsing import ApiError, parse
 
@@ -90,6 +91,17 @@ def test_suffix_off_refuses_the_suffix_method() -> None:
         assert generate(stack, method="auto").stats.suffix_drafts == 0
     finally:
         stack.close()
+
+
+def test_the_running_requests_trees_are_counted_while_they_run(services: Services) -> None:
+    coordinator = services.coordinator
+    seen: list[int] = []
+    request = coordinator_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=24)
+    request.speculation.method = "suffix"
+    coordinator.run(validate(request, coordinator.limits, None), "r", None, lambda: False,
+                    on_event=lambda event: seen.append(coordinator.request_trees_bytes()))
+    assert seen and all(size > 0 for size in seen)  # the request's own tree, in every round
+    assert coordinator.request_trees_bytes() == 0  # and none once it ended
 
 
 @pytest.mark.parametrize(("setting", "value", "names"), [

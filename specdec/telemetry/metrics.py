@@ -16,7 +16,8 @@ Counters (coordinator), as vLLM defines them:
   by default) by what it let adaptive sessions propose: target-only, model-free or draft
   (specdec.core.speculation_gate), so the share of time speculation was on.
 Gauges: specdec_suffix_cache_bytes and specdec_suffix_cache_requests, the global suffix
-tree's memory (estimated from its node count) and the responses it holds.
+tree's memory (estimated from its node count) and the responses it holds;
+specdec_suffix_request_trees_bytes, the running requests' own trees' memory.
 Mean acceptance length = 1 + accepted / drafts (the +1 is the correction or bonus token).
 They are counted per round as rounds end, so they move during long requests and sum to
 exactly the GenerationStats a response reports.
@@ -129,6 +130,9 @@ class CoordinatorMetrics:
         self.suffix_cache_requests = Gauge(
             "specdec_suffix_cache_requests", "Earlier responses the global suffix tree holds",
             registry=registry)
+        self.suffix_request_trees_bytes = Gauge(
+            "specdec_suffix_request_trees_bytes", "Memory of the running requests' own suffix "
+            "trees (estimated from their nodes)", registry=registry)
         self.num_accepted_tokens_per_pos = counter(
             "num_accepted_tokens_per_pos", "Accepted draft tokens by 0-based draft position",
             ("position",))

@@ -124,6 +124,11 @@ class Telemetry:
             metrics.suffix_cache_bytes.set_function(lambda: usage().bytes)
             metrics.suffix_cache_requests.set_function(lambda: usage().requests)
 
+    def watch_suffix_request_trees(self, total_bytes: Callable[[], int]) -> None:
+        """The running requests' suffix trees gauge reads `total_bytes()` at each scrape."""
+        if self.coordinator_metrics is not None:
+            self.coordinator_metrics.suffix_request_trees_bytes.set_function(total_bytes)
+
     def record_refused_request(self) -> None:
         if self.coordinator_metrics is not None:
             self.coordinator_metrics.refused_requests.inc()
