@@ -475,7 +475,7 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
               "|" + "---|" * len(columns)]
     for row in report["levels"]:
         lines.append("| " + " | ".join(_row_cell(row, key) for key, _ in columns) + " |")
-    lines += _forward_table(report["levels"], [column for column in columns if column[0] in
+    lines += _services_table(report["levels"], [column for column in columns if column[0] in
                                                 ("concurrency", "mode", "workload", "repeat")])
     errors = [(row["mode"], row["concurrency"], row["errors"]) for row in report["levels"]
               if row["errors"]]
@@ -510,7 +510,7 @@ FORWARD_COLUMNS = (("target_forwards", "forwards"), ("target_busy", "target busy
                    ("rows_per_forward", "rows/forward"), ("ms_per_forward", "ms/forward"))
 
 
-def _forward_table(rows: list[dict[str, Any]], keys: list[tuple[str, str]]) -> list[str]:
+def _services_table(rows: list[dict[str, Any]], keys: list[tuple[str, str]]) -> list[str]:
     """The target's forwards per phase (specdec.bench.forwards), where its trace had them,
     and the services' CPU time (specdec.bench.process_cpu), where it was sampled."""
     shown = [column for column in (*FORWARD_COLUMNS, *CPU_COLUMNS)

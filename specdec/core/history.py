@@ -56,6 +56,11 @@ class TokenHistory:
     def fingerprint(self, length: int | None = None) -> int:
         return self._fingerprints[len(self.tokens) if length is None else length]
 
+    def extends(self, length: int, fingerprint: int) -> bool:
+        """Whether this history's first `length` tokens have `fingerprint`: the text a
+        caller indexed up to `length` is still its prefix (O(1))."""
+        return length <= len(self.tokens) and self._fingerprints[length] == fingerprint
+
     def common_prefix(self, other: Sequence[int]) -> int:
         limit = min(len(self.tokens), len(other))
         for index in range(limit):

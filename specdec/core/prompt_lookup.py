@@ -58,8 +58,7 @@ class NgramIndex:
         self._fingerprint = 0  # the history's fingerprint at that length
 
     def _update(self, history: TokenHistory) -> None:
-        if (len(history) < self._indexed
-                or history.fingerprint(self._indexed) != self._fingerprint):
+        if not history.extends(self._indexed, self._fingerprint):
             self._starts, self._indexed = {}, 0
         tokens = history.tokens
         # The n-grams now followed by a token that were not at the last update: those
@@ -112,9 +111,7 @@ class PromptLookup:
     max_ngram: int = DEFAULT_MAX_NGRAM
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got "
-                             f"{self.min_ngram} and {self.max_ngram}")
+        self.index()  # checks the n-gram bounds
 
     def index(self) -> NgramIndex:
         """A generation's own index of its history, for propose."""

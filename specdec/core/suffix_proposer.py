@@ -165,8 +165,7 @@ class SuffixProposer:
         added since (it only grows during a generation; a cut at a stop string ends it,
         and a history that no longer extends the indexed one is indexed afresh, from its
         latest prompt_tokens tokens)."""
-        if (self._indexed == 0 or len(committed) < self._indexed
-                or committed.fingerprint(self._indexed) != self._fingerprint):
+        if self._indexed == 0 or not committed.extends(self._indexed, self._fingerprint):
             self.tree, self._open_paths = SuffixTree(self.max_depth), []
             self._indexed = (max(0, len(committed) - self.prompt_tokens)
                              if self.prompt_tokens > 0 else 0)
