@@ -58,6 +58,9 @@ class Setting:
     advanced: bool = False
     # False for a setting read from the environment only (no flag).
     flag: bool = True
+    # The default as the reference table shows it, where `default` is computed from the
+    # machine (a path under the user's home): the table is the same on every machine.
+    shown: str = ""
 
     @property
     def env(self) -> str:
@@ -208,7 +211,8 @@ _ALL = (
     Setting("trace-dir", _default_trace_dir(),
             "directory of the OTLP/JSON-lines trace files, one per service; each rotates to "
             f"<file>.1 past {TRACE_FILE_MAX_MB} MiB, so a service keeps at most "
-            f"{2 * TRACE_FILE_MAX_MB} MiB", TELEMETRY),
+            f"{2 * TRACE_FILE_MAX_MB} MiB", TELEMETRY,
+            shown="${XDG_STATE_HOME:-~/.local/state}/specdec/traces"),
     Setting("trace-file", "",
             "trace file (OTLP/JSON lines); 'none' writes no file, empty means "
             "<trace-dir>/<role>.jsonl", TELEMETRY),
@@ -363,8 +367,8 @@ def markdown_table() -> str:
                   "|---|---|---|---|"]
         for s in (s for s in _ALL if s.group == group):
             flag = f"`--{s.name}`" if s.flag else "(environment only)"
-            shown = "unset" if s.default is None else f"`{s.default}`" if s.default != "" \
-                else "empty"
+            shown = f"`{s.shown}`" if s.shown else "unset" if s.default is None \
+                else f"`{s.default}`" if s.default != "" else "empty"
             meaning = s.help + (f" (one of: {', '.join(c or 'empty' for c in s.choices)})"
                                 if s.choices else "")
             lines.append(f"| {flag} | `{s.env}` | {shown} | {meaning.replace('|', '/')} |")

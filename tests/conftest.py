@@ -1,5 +1,10 @@
 """Settings for the whole suite.
 
+The suite runs with the code's defaults whatever its runner exports: the SPECDEC_*
+settings and OTEL_* variables of the runner's shell are removed from this process's
+environment before any test module is imported, so the tests and the services and CLIs
+they start see none of them (`user_settings`); a test that needs a value sets it.
+
 Services and benches the tests start load the draft eager: with the default
 `--draft-compile auto` each process would compile it (10-60 s on 2 cores).
 tests/test_draft_compile.py and test_exactness.py compile it where that is the subject.
@@ -8,11 +13,32 @@ tests/test_draft_compile.py and test_exactness.py compile it where that is the s
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("SPECDEC_DRAFT_COMPILE", "off")
+# Kept from the runner's environment: where `specdec prepare` put the converted target
+# (`make test` prepares it, then the tests load it from there; like HF_HOME and
+# XDG_CACHE_HOME it says where files are, not what the code does), and the suite's own
+# knobs (tests/test_fuzz.py).
+KEPT_VARIABLES = frozenset({"SPECDEC_MODEL_CACHE", "SPECDEC_FUZZ_EXAMPLES",
+                            "SPECDEC_FUZZ_REPORT"})
+# Prefixes of the variables that change what the code does: every service setting
+# (specdec/settings.py: SPECDEC_DTYPE, SPECDEC_DRAFT_COMPILE, ...), the variables the
+# services hand their children, and the OpenTelemetry SDK's (OTEL_SDK_DISABLED, exporters).
+REMOVED_PREFIXES = ("SPECDEC_", "OTEL_")
+
+
+def user_settings(environ: Mapping[str, str]) -> list[str]:
+    """The names in `environ` that the suite removes before it runs."""
+    return sorted(name for name in environ
+                  if name.startswith(REMOVED_PREFIXES) and name not in KEPT_VARIABLES)
+
+
+for _name in user_settings(os.environ):
+    del os.environ[_name]
+os.environ["SPECDEC_DRAFT_COMPILE"] = "off"
 
 # Under pytest-xdist (`make test` runs one worker per core) the workers share the CPUs:
 # each gets an equal share for torch's threads, and OpenMP threads sleep rather than spin
