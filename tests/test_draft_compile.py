@@ -15,6 +15,8 @@ import torch
 import torch._dynamo.utils
 from tiny_models import tiny_llama
 
+from specdec.core.history import SyncPoint
+from specdec.core.sampling import SamplingParams
 from specdec.engine.backends.cpu import load_causal_lm
 from specdec.engine.draft_compile import (
     ONEDNN_REASON,
@@ -27,6 +29,7 @@ from specdec.engine.kernels import apply_linear_kernel
 from specdec.engine.models import DEFAULT_DRAFT
 from specdec.engine.runner import ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
+from specdec.engine.steps import draft_step
 
 CPU = torch.device("cpu")
 TARGET_VOCAB = 49152
@@ -70,22 +73,47 @@ def decode_like_a_draft(runner: ModelRunner, seed: int) -> list[torch.Tensor]:
     return logits
 
 
+def propose_like_a_service(runner: ModelRunner, seed: int) -> list[list[int]]:
+    """Rounds of the draft service's Propose (draft_step): chains and token trees of
+    several sizes, greedy and sampled, each after a rollback to what the target accepted
+    and a catch-up. Returns every proposal's tokens."""
+    rng = random.Random(seed)
+    proposals = []
+    for temperature in (0.0, 0.7):
+        params = SamplingParams(temperature=temperature, seed=seed)
+        prompt = [rng.randrange(4096) for _ in range(41)]
+        sync = SyncPoint("p", 0, 0, prompt, prefill_length=len(prompt))
+        for _ in range(14):
+            out = draft_step(runner, sync, rng.randrange(1, 9), params,
+                             num_alternatives=rng.choice((0, 1, 2, 3, 6)))
+            proposals.append(out.tokens)
+            committed = min(sync.next_position + rng.randrange(0, 5), out.kv_length)
+            fingerprint = runner._sessions["p"].history.fingerprint(committed)
+            sync = SyncPoint("p", committed, fingerprint,
+                             [rng.randrange(4096) for _ in range(rng.choice((1, 1, 2, 4)))])
+        runner.release("p")
+    return proposals
+
+
 def test_compiled_draft_gives_eager_logits_and_compiles_nothing_more_while_decoding(
         compiled_draft: tuple[Any, Any]) -> None:
     loaded, eager = compiled_draft
     compiled = loaded.model.forward
     graphs_after_warm_up = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled_logits = decode_like_a_draft(runner_for(loaded), seed=0)
+    compiled_proposals = propose_like_a_service(runner_for(loaded), seed=1)
     # A graph compiled while serving stalls a round for seconds. Rollbacks leave the cache
     # as strided slices (without contiguous_cache each layout compiled a graph of its
-    # own), and long catch-ups and one-token prompts take other paths (the warm-up runs
-    # them).
+    # own), token trees pass a mask, and long catch-ups and one-token prompts take other
+    # paths (the warm-up runs them).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_warm_up
     loaded.model.forward = eager
     try:
         eager_logits = decode_like_a_draft(runner_for(loaded), seed=0)
+        eager_proposals = propose_like_a_service(runner_for(loaded), seed=1)
     finally:
         loaded.model.forward = compiled
+    assert compiled_proposals[:14] == eager_proposals[:14]  # the greedy rounds
     assert len(compiled_logits) == len(eager_logits) > 36
     for got, expected in zip(compiled_logits, eager_logits, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -40,9 +40,17 @@ log = logging.getLogger(__name__)
 SETTINGS = COMPILE_CHOICES
 AUTO, ON, OFF = COMPILE_CHOICES
 WARM_PROMPT_TOKENS = 24
-# Extends of a live session, in tokens: a catch-up, one-token steps, another catch-up.
-# A graph's second call, at another cache length, is what makes that length dynamic.
-WARM_EXTENDS = (3, 1, 1, 2, 1, 1)
+# Rounds of a live generation, as the draft service runs them: (draft tokens asked,
+# alternatives asked, draft tokens the target accepted, committed tokens the next round
+# appends). Chains and token trees (the default adaptive requests verify alternatives
+# beside the chain), rollbacks after rejections, one-token and longer catch-ups (rounds
+# of prompt-lookup hits the draft did not see). Each kind of forward runs twice, at
+# growing cache lengths: a graph's second call at another length is what makes that
+# length dynamic.
+WARM_ROUNDS = ((4, 2, 1, 1), (3, 0, 3, 1), (6, 2, 0, 1), (2, 2, 2, 3), (5, 0, 0, 2),
+               (1, 0, 1, 1), (4, 4, 4, DECODE_ROWS), (8, 2, 1, 1), (1, 2, 0, 1))
+# Token trees of a chain token and this many branches (siblings and children of it).
+WARM_TREE_BRANCHES = (2, 1, 3, 5, 2)
 # The warm-up of a model with the onednn linear kernel fails with a LoweringException.
 ONEDNN_REASON = ("inductor does not lower the onednn linear kernel's prepacked weights "
                  "(mkldnn._linear_pointwise)")
@@ -66,19 +74,37 @@ def should_try(setting: str, device: torch.device) -> bool:
 
 
 def warm_up(runner: ModelRunner) -> None:
-    """Run the extends decoding runs compiled, in a scratch session: their graphs
-    compile at load, not while serving."""
+    """Run the proposals decoding runs, in a scratch session, greedy and sampled: their
+    graphs compile at load, not while serving."""
+    from specdec.core.history import SyncPoint
+    from specdec.core.sampling import SamplingParams
+    from specdec.engine.steps import draft_step
+
     session = f"compile-warm-up-{time.monotonic_ns()}"
-    tokens = random_tokens(runner.vocab.target_vocab_size,
-                           WARM_PROMPT_TOKENS + sum(WARM_EXTENDS))
+    tokens = iter(random_tokens(runner.vocab.target_vocab_size,
+                                WARM_PROMPT_TOKENS + 2 * sum(r[3] for r in WARM_ROUNDS)))
+    prompt = [next(tokens) for _ in range(WARM_PROMPT_TOKENS)]
+    sync = SyncPoint(session, 0, 0, prompt, prefill_length=len(prompt))
     try:
-        committed = WARM_PROMPT_TOKENS
-        runner.extend(session, 0, 0, tokens[:committed],
-                      target_hidden=runner.placeholder_hidden(committed))
-        for width in WARM_EXTENDS:
-            runner.append(session, tokens[committed:committed + width],
-                          target_hidden=runner.placeholder_hidden(width))
-            committed += width
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+            for num_tokens, alternatives, accepted, catch_up in WARM_ROUNDS:
+                hidden = runner.placeholder_hidden(len(sync.append))
+                out = draft_step(runner, sync, num_tokens, params, target_hidden=hidden,
+                                 num_alternatives=alternatives)
+                committed = min(sync.next_position + accepted, out.kv_length)
+                fingerprint = runner._sessions[session].history.fingerprint(committed)
+                sync = SyncPoint(session, committed, fingerprint,
+                                 [next(tokens) for _ in range(catch_up)])
+        # A round branches only where the draft hesitates, which random text may never
+        # make it do: token trees of several widths are run directly.
+        for branches in WARM_TREE_BRANCHES:
+            held = runner.kv_length(session)
+            parents = tuple(held - 1 + (index % 2) for index in range(branches))
+            runner.extend(session, held, runner._sessions[session].history.fingerprint(),
+                          random_tokens(runner.vocab.target_vocab_size, 1 + branches,
+                                        seed=branches),
+                          num_logits=1 + branches, branch_parents=parents,
+                          target_hidden=runner.placeholder_hidden(1 + branches))
     finally:
         runner.release(session)
 
