@@ -149,3 +149,44 @@ def test_draft_precision_settings_default_to_auto_and_follow_the_shared_ones(
     assert draft_compile(parsed("--draft-compile", "off")) == "off"
     with pytest.raises(SystemExit):
         parsed("--draft-compile", "yes")
+
+
+@pytest.mark.slow
+def test_the_first_request_after_ready_compiles_nothing(tmp_path: Path) -> None:
+    """The embedded pair with the draft compiled from an empty inductor cache: the first
+    requests after `ready` (chat, streamed, adaptive with token trees: what a new user
+    sends first; greedy and sampled) find every graph they need compiled. A graph
+    compiled while serving takes seconds, past the draft's deadline (shortened here: the
+    draft's step takes milliseconds), and would leave the answer degraded."""
+    env = {**os.environ, "SPECDEC_TORCH_THREADS": "1", "SPECDEC_METRICS_PORT": "0",
+           "SPECDEC_TRACING": "off", "SPECDEC_DRAFT_COMPILE": "on",
+           "SPECDEC_DRAFT_TIMEOUT_MS": "2000", "TORCH_LOGS": "recompiles",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    ports = {role: free_port() for role in ("coordinator", "draft", "target")}
+    up = subprocess.Popen(
+        [*SPECDEC, "up", "--draft-dtype", "float32", "--draft-linear-kernel", "torch",
+         "--log-dir", str(tmp_path / "logs"), "--startup-timeout-s", "600",
+         "--http-port", "-1",
+         *(arg for role, port in ports.items() for arg in (f"--{role}-port", str(port)))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = read_until(up, "ready")
+        assert lines and lines[-1].startswith("ready"), "".join(lines)
+        draft_log = tmp_path / "logs/draft.log"
+        compiled_before = draft_log.read_text().count("Recompiling")
+        for temperature in ("0", "1"):
+            result = subprocess.run(
+                [*SPECDEC, "generate", "Give me three tips for a job interview.", "--chat",
+                 "--stream", "--json", "--max-new-tokens", "48", "--temperature",
+                 temperature, "--seed", "5", "--endpoint",
+                 f"127.0.0.1:{ports['coordinator']}"],
+                capture_output=True, text=True, timeout=300, env=env)
+            assert result.returncode == 0, result.stderr
+            stats = json.loads(result.stdout)["stats"]
+            assert stats["rounds"] > 0
+            assert not stats.get("degraded") and not stats.get("resyncs"), stats
+        assert draft_log.read_text().count("Recompiling") == compiled_before
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.communicate(timeout=120)
+    assert "compiled in" in draft_log.read_text()
