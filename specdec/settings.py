@@ -78,7 +78,7 @@ class Setting:
 
 # Choices shared with the modules that implement them (a test checks they agree).
 BACKENDS = ("auto", "cpu-tuned", "torch")
-LINEAR_KERNELS = ("auto", "torch", "skinny", "onednn")
+LINEAR_KERNELS = ("auto", "torch", "skinny", "onednn", "int8")
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 COMPILE_CHOICES = ("auto", "on", "off")
 # SpeculationParams.method: where a round's proposals come from (coordinator.validation).
@@ -97,7 +97,9 @@ _ALL = (
     Setting("draft-model", "specdec-draft",
             "draft model: the embedded trained draft, or any HF path or id", MODELS),
     Setting("device", "cpu", "torch device: cpu, cuda, cuda:N or auto", MODELS),
-    Setting("dtype", "bfloat16", "model dtype: bfloat16, float32 or float16", MODELS),
+    Setting("dtype", "bfloat16",
+            "model dtype: bfloat16, float32, float16, or int8 (int8 linear weights with "
+            "bfloat16 activations; CPU)", MODELS),
     Setting("backend", "auto",
             "how models run: auto (cpu-tuned on CPU, torch elsewhere), cpu-tuned (the "
             "row-invariant CPU kernels, the draft's precision and compile chosen at load), "
@@ -228,8 +230,8 @@ _ALL = (
             type=int, advanced=True),
     Setting("linear-kernel", "auto",
             "matmul kernel of the linear layers: auto (skinny for float32, onednn for "
-            "bfloat16), torch, skinny or onednn", CPU_KERNELS, choices=LINEAR_KERNELS,
-            advanced=True),
+            "bfloat16), torch, skinny, onednn or int8 (= --dtype int8)", CPU_KERNELS,
+            choices=LINEAR_KERNELS, advanced=True),
     Setting("attention-kernel", "auto",
             "attention of decode-sized forwards: auto (grouped for float32, rowwise for "
             "reduced precision), sdpa, grouped or rowwise", CPU_KERNELS,

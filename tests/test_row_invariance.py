@@ -89,15 +89,29 @@ def test_auto_kernels_for_reduced_precision_on_cpu() -> None:
 
 # -- the real target in bfloat16 --------------------------------------------------------------
 
-def _load_target(attention_kernel: str = "auto") -> models.LoadedModel:
+def _load_target(attention_kernel: str = "auto", linear_kernel: str = "auto"
+                 ) -> models.LoadedModel:
     torch.set_num_threads(2)
     return load_causal_lm(models.DEFAULT_TARGET, CPU, torch.bfloat16, progress=False,
-                                 attention_kernel=attention_kernel)
+                          attention_kernel=attention_kernel, linear_kernel=linear_kernel)
 
 
 @pytest.fixture(scope="module")
 def target_bf16() -> models.LoadedModel:
     return _load_target()
+
+
+@pytest.fixture(scope="module")
+def target_int8() -> models.LoadedModel:
+    """--dtype int8: int8 linear weights, bfloat16 activations."""
+    return _load_target(linear_kernel="int8")
+
+
+@pytest.fixture(params=["bfloat16", "int8"])
+def served_target(request: pytest.FixtureRequest) -> models.LoadedModel:
+    """The target in each precision whose greedy output is exact under speculation."""
+    return request.getfixturevalue("target_bf16" if request.param == "bfloat16"
+                                   else "target_int8")
 
 
 def _verify_vs_decode(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +135,8 @@ def _verify_vs_decode(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.slow
 def test_verification_rows_equal_decoded_rows_bit_for_bit(
-        target_bf16: models.LoadedModel) -> None:
-    runner = ModelRunner(target_bf16.model)
+        served_target: models.LoadedModel) -> None:
+    runner = ModelRunner(served_target.model)
     verified, decoded = _verify_vs_decode(runner)
     assert torch.equal(verified, decoded)
 
@@ -175,8 +189,8 @@ def _branches_vs_decode(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor
 
 @pytest.mark.slow
 def test_token_tree_branches_equal_decoded_rows_bit_for_bit(
-        target_bf16: models.LoadedModel) -> None:
-    branches, decoded = _branches_vs_decode(ModelRunner(target_bf16.model))
+        served_target: models.LoadedModel) -> None:
+    branches, decoded = _branches_vs_decode(ModelRunner(served_target.model))
     assert torch.equal(branches, decoded)
 
 
@@ -243,14 +257,14 @@ def test_a_session_re_sent_from_position_0_gets_its_cache_back_bit_for_bit(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_name", [models.DEFAULT_DRAFT, models.FEATURE_DRAFT])
-def test_bfloat16_greedy_speculation_equals_target_only_decoding(
-        target_bf16: models.LoadedModel, draft_name: str) -> None:
+def test_greedy_speculation_equals_target_only_decoding(
+        served_target: models.LoadedModel, draft_name: str) -> None:
     """Against the target as served, same kernels: specdec's own target-only loop, and
     transformers' `generate` (prefill, then one-row forwards) on the same model object."""
-    tokenizer = target_bf16.tokenizer
+    tokenizer = served_target.tokenizer
     assert tokenizer is not None
     draft = load_causal_lm(draft_name, CPU, torch.bfloat16, progress=False)
-    eos = [int(target_bf16.model.config.eos_token_id)]
+    eos = [int(served_target.model.config.eos_token_id)]
     prompts = [list(tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True,
         return_dict=True)["input_ids"]) for text in
@@ -258,11 +272,11 @@ def test_bfloat16_greedy_speculation_equals_target_only_decoding(
     prompts.append(tokenizer("The history of the printing press")["input_ids"])  # < 16 rows
     kept_alternatives = 0
     for prompt in prompts:
-        target_only = generate(None, LocalVerifier(ModelRunner(target_bf16.model)), prompt,
+        target_only = generate(None, LocalVerifier(ModelRunner(served_target.model)), prompt,
                                GenerateConfig(max_new_tokens=40, num_draft_tokens=0,
                                               eos_token_ids=eos))
         with torch.inference_mode():
-            generated = target_bf16.model.generate(torch.tensor([prompt]), max_new_tokens=40,
+            generated = served_target.model.generate(torch.tensor([prompt]), max_new_tokens=40,
                                                    do_sample=False)
         hf_tokens = generated[0, len(prompt):].tolist()
         assert target_only.token_ids == hf_tokens[: len(target_only.token_ids)]
@@ -275,7 +289,7 @@ def test_bfloat16_greedy_speculation_equals_target_only_decoding(
             drafter = LocalDrafter(ModelRunner(draft.model, target_vocab_size=49152,
                                                token_map=draft.token_map))
             events: list[RoundEvent] = []
-            speculative = generate(drafter, LocalVerifier(ModelRunner(target_bf16.model)),
+            speculative = generate(drafter, LocalVerifier(ModelRunner(served_target.model)),
                                    prompt, GenerateConfig(max_new_tokens=40,
                                                           num_draft_tokens=draft_length,
                                                           eos_token_ids=eos,

@@ -19,7 +19,7 @@ import torch
 
 from specdec.engine.draft_compile import OFF, CompileOutcome, compile_draft
 from specdec.engine.kernels import resolve_kernel
-from specdec.engine.models import LoadedModel, parse_dtype
+from specdec.engine.models import LoadedModel, linear_kernel_for, parse_dtype
 from specdec.engine.runner import ModelRunner
 from specdec.engine.timing import STEP_ROUNDS, fastest_step_s
 
@@ -91,7 +91,8 @@ def load_draft(load: Callable[[Precision], LoadedModel], device: torch.device,
         options = candidates(device, Precision(shared_dtype, linear_kernel))
     else:
         dtype = parse_dtype(dtype_setting)
-        options = [Precision(dtype, resolve_kernel(linear_kernel, device, dtype))]
+        kernel = linear_kernel_for(dtype_setting, linear_kernel)
+        options = [Precision(dtype, resolve_kernel(kernel, device, dtype))]
 
     def runner_for(loaded: LoadedModel) -> ModelRunner:
         return ModelRunner(loaded.model, target_vocab_size=target_vocab_size,

@@ -15,8 +15,9 @@ exactly as it already differs between a 1-row and a (k+1)-row forward. It change
 nothing else: bfloat16, float16, CUDA and prefills (more than SKINNY_MAX_ROWS rows) keep
 `F.linear`, which is as fast or faster there.
 
-Kernels: "torch" (F.linear everywhere), "skinny" (the above), "onednn" (below), "auto"
-(on CPU skinny for float32 and onednn for bfloat16; torch otherwise).
+Kernels: "torch" (F.linear everywhere), "skinny" (the above), "onednn" (below), "int8"
+(int8 weights with bfloat16 activations, specdec.engine.int8; what `--dtype int8`
+selects), "auto" (on CPU skinny for float32 and onednn for bfloat16; torch otherwise).
 
 "onednn" hands the product to oneDNN with the weight reordered once, at load, into its
 blocked layout (the path torch.compile's CPU backend takes for linear layers). Its cost
@@ -45,7 +46,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("auto", "torch", "skinny", "onednn")
+KERNELS = ("auto", "torch", "skinny", "onednn", "int8")
+INT8 = "int8"
 SKINNY_MAX_ROWS = 16  # beyond this (a prefill) the regular GEMM path is efficient
 
 
@@ -121,6 +123,10 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
         if dtype == torch.float32:
             return "skinny"
         return "onednn" if dtype == torch.bfloat16 and onednn_available() else "torch"
+    if kernel == INT8 and (device.type != "cpu" or dtype != torch.bfloat16):
+        raise ValueError(f"the int8 linear kernel runs on the CPU with bfloat16 activations, "
+                         f"not {device.type} {str(dtype).removeprefix('torch.')}; "
+                         "use --dtype bfloat16 there")
     if kernel == "onednn" and not onednn_available():
         raise ValueError("linear kernel 'onednn' needs a torch build with oneDNN (mkldnn); "
                          "choose skinny or torch")
@@ -134,6 +140,16 @@ def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
     """
     parameter = next(model.parameters())
     chosen = resolve_kernel(kernel, parameter.device, parameter.dtype)
+    if chosen == INT8:
+        from specdec.engine.int8 import quantize_linears
+
+        quantize_linears(model)
+        # Layers the int8 format does not fit keep a row-invariant kernel.
+        chosen_rest = resolve_kernel("auto", parameter.device, parameter.dtype)
+        for module in model.modules():
+            if type(module) in _KERNEL_CLASSES.values():
+                module.__class__ = _KERNEL_CLASSES[chosen_rest]
+        return chosen
     new_class = _KERNEL_CLASSES[chosen]
     for module in model.modules():
         if type(module) in _KERNEL_CLASSES.values():
@@ -146,9 +162,9 @@ _ROW_INVARIANT_ROWS_ATTR = "_specdec_row_invariant_rows"
 
 
 def row_invariant_rows(model: nn.Module, cap: int = ROW_INVARIANCE_PROBE_CAP) -> int | None:
-    """The largest row count n <= cap for which the model's oneDNN linears give every row
-    of an n-row product the bits a 4-row product gives that row; None when its linears
-    are not the oneDNN kernel (no such guarantee is made for the others).
+    """The largest row count n <= cap for which the model's oneDNN and int8 linears give
+    every row of an n-row product the bits a 4-row product gives that row; None when
+    any of its linears is another kernel (no such guarantee is made for the others).
 
     oneDNN sums a row's products in an order that depends on the row count only beyond
     some count that differs by CPU and by the product's shape: the kernel it picks
@@ -156,22 +172,26 @@ def row_invariant_rows(model: nn.Module, cap: int = ROW_INVARIANCE_PROBE_CAP) ->
     output layer (the vocabulary projection) changes its order at far fewer rows than
     the narrow ones. So it is measured: one weight matrix per distinct shape of the
     model, on a seeded random probe, every n from ONEDNN_MIN_ROWS up to the smallest
-    count found so far (the widest first). Measured once per model object and
+    count found so far (the widest first). The int8 kernel is row-invariant by
+    construction; the probe checks that too. Measured once per model object and
     remembered on it.
     """
+    from specdec.engine.int8 import Int8Linear
+
     known = getattr(model, _ROW_INVARIANT_ROWS_ATTR, False)
     if known is not False:
         return known  # type: ignore[no-any-return]
-    layers: dict[tuple[int, int], OneDnnLinear] = {}
+    layers: dict[tuple[int, int], nn.Module] = {}
     for module in model.modules():
         if isinstance(module, nn.Linear) and not isinstance(module, OneDnnLinear):
             layers.clear()
             break
-        if isinstance(module, OneDnnLinear):
+        if isinstance(module, OneDnnLinear | Int8Linear):
             layers.setdefault((module.in_features, module.out_features), module)
     result: int | None = None
-    if layers and all(layer.weight.device.type == "cpu"
-                      and layer.weight.dtype in ONEDNN_DTYPES for layer in layers.values()):
+    if layers and all(isinstance(layer, Int8Linear) or (
+            layer.weight.device.type == "cpu" and layer.weight.dtype in ONEDNN_DTYPES)
+            for layer in layers.values()):
         result = cap
         for shape in sorted(layers, key=lambda shape: shape[0] * shape[1], reverse=True):
             result = _invariant_rows(layers[shape], result)
@@ -187,13 +207,14 @@ def _probe_counts(cap: int) -> list[int]:
 
 
 @torch.inference_mode()
-def _invariant_rows(layer: OneDnnLinear, cap: int) -> int:
+def _invariant_rows(layer: nn.Module, cap: int) -> int:
     """The probe repeats one block of ONEDNN_MIN_ROWS rows, so one 4-row product is the
     reference for every row: a row whose bits depend on its place or on the row count
     shows up as a mismatch."""
     generator = torch.Generator().manual_seed(0)
-    block = torch.randn(ONEDNN_MIN_ROWS, layer.in_features, generator=generator)
-    block = block.to(layer.weight.dtype)
+    block = torch.randn(ONEDNN_MIN_ROWS, int(layer.in_features), generator=generator)
+    weight = getattr(layer, "weight", None)
+    block = block.to(weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16)
     reference = layer(block)
     probe = block.repeat(-(-cap // ONEDNN_MIN_ROWS), 1)
     expected = reference.repeat(-(-cap // ONEDNN_MIN_ROWS), 1)

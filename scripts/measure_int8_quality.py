@@ -1,0 +1,75 @@
+"""How closely the int8 target follows the bfloat16 one, on held-out chat.
+
+The held-out chat is the project's held-out prompts (no training context holds them) in
+the chat template, each answered greedily by the bfloat16 target. Along those
+conversations, teacher-forced:
+- top-1 agreement: the share of answer positions where the int8 target's most probable
+  token is the bfloat16 target's greedy token (the share of greedy tokens unchanged);
+- perplexity of each model on the answers, and its ratio to bfloat16's.
+Both models use the cpu-tuned backend's kernels, as the services run them.
+
+    .venv/bin/python scripts/measure_int8_quality.py --prompts 32 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--target-model", default="smollm2-135m-instruct")
+    parser.add_argument("--compare", default="int8",
+                        help="the --dtype compared with bfloat16 (int8, float32, ...)")
+    args = parser.parse_args()
+
+    from specdec.draft_training.heldout import held_out_chat
+    from specdec.engine.backends.cpu import load_causal_lm
+    from specdec.engine.models import linear_kernel_for, parse_dtype
+
+    cpu = torch.device("cpu")
+    reference = load_causal_lm(args.target_model, cpu, torch.bfloat16, progress=False)
+    compared = load_causal_lm(args.target_model, cpu, parse_dtype(args.compare),
+                              progress=False,
+                              linear_kernel=linear_kernel_for(args.compare, "auto"))
+    tokenizer = reference.tokenizer
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    agree = positions = 0
+    nll = {"bfloat16": 0.0, args.compare: 0.0}
+    started = time.perf_counter()
+    for index, prompt in enumerate(held_out_chat(args.prompts)):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            answer = reference.model.generate(ids, max_new_tokens=args.max_new_tokens,
+                                              do_sample=False, eos_token_id=eos,
+                                              pad_token_id=eos)
+            start = ids.shape[1]
+            targets = answer[0, start:]
+            logits = {"bfloat16": reference.model(answer).logits[0, start - 1:-1].float(),
+                      args.compare: compared.model(answer).logits[0, start - 1:-1].float()}
+        agree += int((logits[args.compare].argmax(-1) == targets).sum())
+        positions += len(targets)
+        for name, rows in logits.items():
+            nll[name] += float(torch.nn.functional.cross_entropy(rows, targets,
+                                                                 reduction="sum"))
+        print(f"  {index + 1}/{args.prompts}: {positions} positions, "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+    perplexity = {name: math.exp(total / positions) for name, total in nll.items()}
+    print(f"held-out chat: {args.prompts} prompts, {positions} answer positions "
+          f"(bfloat16 greedy answers, up to {args.max_new_tokens} tokens)")
+    print(f"top-1 agreement of {args.compare} with bfloat16: {agree / positions:.4f}")
+    for name, value in perplexity.items():
+        print(f"perplexity {name}: {value:.4f} "
+              f"({value / perplexity['bfloat16'] - 1:+.2%} against bfloat16)")
+
+
+if __name__ == "__main__":
+    main()

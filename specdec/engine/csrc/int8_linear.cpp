@@ -1,0 +1,302 @@
+// Weights in one byte each, bfloat16 activations: y = x @ w^T (+ bias), for decoding.
+//
+// Each weight row is cut into groups of GROUP = 32 inputs, each group with a float32
+// scale s and offset o, and each weight a code c in 0..127: w = s * (128 + c) + o.
+// 128 + c is an integer in [128, 255], which bfloat16 holds exactly and whose bits are
+// 0x4300 | c: decoding 32 weights takes a zero-extension and an OR.
+//
+// The inputs are reordered once per layer (int8_pack) into "super-blocks" of up to 16
+// groups in which each of the 16 lanes of a vector holds the inputs of one group only:
+// a super-block of n groups gives each group 16 / n lanes and takes n vector steps. A
+// lane's dot products (vdpbf16ps) then sum inputs of one group, so the group scales
+// apply once per super-block as a vector of per-lane scales, and the offsets likewise
+// against per-lane sums of the inputs. Per row and 32 weights that is one vdpbf16ps
+// and a sixteenth of a multiply-add; the weights are decoded once per call whatever
+// the row count, so a verification's extra rows cost little.
+//
+// Each output element is one sum whose order depends on the layer's width alone: never
+// on how many rows share the call, where a row sits among them, or how outputs are
+// split across threads. A row gets the same bits in a one-row decode, a k-row
+// verification and a batch of sessions (row-invariant by construction).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SPECDEC_AVX512BF16 1
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 32;    // inputs per scale and offset; one vector step
+constexpr int64_t LANES = 16;    // float32 lanes of a vector
+constexpr int64_t BLOCK_N = 4;   // outputs decoded and computed together
+constexpr int64_t BLOCK_M = 2;   // rows computed together
+
+struct SuperBlock {
+  int64_t first_step;  // = first group
+  int64_t groups;      // 16, 8, 4, 2 or 1: as many vector steps
+};
+
+// Groups in super-blocks of 16, then the rest in powers of two, largest first.
+std::vector<SuperBlock> super_blocks(int64_t groups) {
+  std::vector<SuperBlock> blocks;
+  int64_t step = 0;
+  for (int64_t size = LANES; size >= 1; size /= 2)
+    while (groups - step >= size) {
+      blocks.push_back({step, size});
+      step += size;
+    }
+  return blocks;
+}
+
+// Where the input at packed position (step, lane, pair) comes from.
+inline int64_t source_index(const SuperBlock& block, int64_t step, int64_t lane, int64_t pair) {
+  const int64_t lanes_per_group = LANES / block.groups;
+  const int64_t group = block.first_step + lane / lanes_per_group;
+  const int64_t t = step - block.first_step;
+  return group * GROUP + 2 * (t * lanes_per_group + lane % lanes_per_group) + pair;
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// (codes [N, K] in input order, scales and offsets [N, K / 32]) -> (codes [N / 4, K / 32,
+// 4, 32] in packed order, lane scales and lane offsets [N, super-blocks, 16]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes,
+                                                         const at::Tensor& scales,
+                                                         const at::Tensor& offsets) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2, "int8_pack: codes uint8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), groups = K / GROUP;
+  TORCH_CHECK(K % GROUP == 0 && N % BLOCK_N == 0,
+              "int8_pack: input features must be a multiple of 32, outputs of 4");
+  const at::Tensor c = codes.contiguous(), s = scales.to(at::kFloat).contiguous(),
+                   o = offsets.to(at::kFloat).contiguous();
+  const auto blocks = super_blocks(groups);
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  at::Tensor packed = at::empty({N / BLOCK_N, groups, BLOCK_N, GROUP}, codes.options());
+  at::Tensor lane_scales = at::zeros({N, count, LANES}, s.options());
+  at::Tensor lane_offsets = at::zeros({N, count, LANES}, s.options());
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* op = o.data_ptr<float>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* lsp = lane_scales.data_ptr<float>();
+  float* lop = lane_offsets.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < count; ++b) {
+      const SuperBlock& block = blocks[b];
+      const int64_t lanes_per_group = LANES / block.groups;
+      for (int64_t lane = 0; lane < LANES; ++lane) {
+        const int64_t group = block.first_step + lane / lanes_per_group;
+        lsp[(n * count + b) * LANES + lane] = sp[n * groups + group];
+        lop[(n * count + b) * LANES + lane] = op[n * groups + group];
+      }
+      for (int64_t step = block.first_step; step < block.first_step + block.groups; ++step)
+        for (int64_t lane = 0; lane < LANES; ++lane)
+          for (int64_t pair = 0; pair < 2; ++pair)
+            pp[(((n / BLOCK_N) * groups + step) * BLOCK_N + n % BLOCK_N) * GROUP + 2 * lane + pair] =
+                cp[n * K + source_index(block, step, lane, pair)];
+    }
+  return {packed, lane_scales, lane_offsets};
+}
+
+#ifdef SPECDEC_AVX512BF16
+inline __m512bh decode32(const uint8_t* codes) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  return (__m512bh)_mm512_or_si512(_mm512_cvtepu8_epi16(bytes), _mm512_set1_epi16(0x4300));
+}
+
+inline __m512bh load_bf16(const uint16_t* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+// RM rows x BLOCK_N outputs over every super-block; out[i * BLOCK_N + j].
+template <int RM>
+void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
+               const std::vector<SuperBlock>& blocks, const uint16_t* w, const float* scales,
+               const float* offsets, float* out) {
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  __m512 acc[RM][BLOCK_N];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < BLOCK_N; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < count; ++b) {
+    __m512 part[RM][BLOCK_N];
+    for (int i = 0; i < RM; ++i)
+      for (int j = 0; j < BLOCK_N; ++j) part[i][j] = _mm512_setzero_ps();
+    const int64_t end = blocks[b].first_step + blocks[b].groups;
+    for (int64_t step = blocks[b].first_step; step < end; ++step) {
+      __m512bh wv[BLOCK_N];
+      for (int j = 0; j < BLOCK_N; ++j) wv[j] = load_bf16(w + j * K + step * GROUP);
+      for (int i = 0; i < RM; ++i) {
+        const __m512bh xv = load_bf16(x + i * K + step * GROUP);
+        for (int j = 0; j < BLOCK_N; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], xv, wv[j]);
+      }
+    }
+    for (int j = 0; j < BLOCK_N; ++j) {
+      const __m512 s = _mm512_loadu_ps(scales + (j * count + b) * LANES);
+      const __m512 o = _mm512_loadu_ps(offsets + (j * count + b) * LANES);
+      for (int i = 0; i < RM; ++i) {
+        acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(o, _mm512_loadu_ps(x_lane_sums + (i * count + b) * LANES),
+                                    acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < BLOCK_N; ++j) out[i * BLOCK_N + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#else
+// Any other CPU: the same sums lane by lane in float32.
+template <int RM>
+void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
+               const std::vector<SuperBlock>& blocks, const uint16_t* w, const float* scales,
+               const float* offsets, float* out) {
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  for (int i = 0; i < RM; ++i)
+    for (int64_t j = 0; j < BLOCK_N; ++j) {
+      float acc[LANES] = {0};
+      for (int64_t b = 0; b < count; ++b) {
+        float part[LANES] = {0};
+        const int64_t end = blocks[b].first_step + blocks[b].groups;
+        for (int64_t step = blocks[b].first_step; step < end; ++step)
+          for (int64_t lane = 0; lane < LANES; ++lane) {
+            const int64_t k = step * GROUP + 2 * lane;
+            part[lane] += bf16_to_float(x[i * K + k]) * bf16_to_float(w[j * K + k]) +
+                          bf16_to_float(x[i * K + k + 1]) * bf16_to_float(w[j * K + k + 1]);
+          }
+        for (int64_t lane = 0; lane < LANES; ++lane) {
+          acc[lane] += part[lane] * scales[(j * count + b) * LANES + lane];
+          acc[lane] += offsets[(j * count + b) * LANES + lane] *
+                       x_lane_sums[(i * count + b) * LANES + lane];
+        }
+      }
+      for (int width = LANES / 2; width > 0; width /= 2)
+        for (int lane = 0; lane < width; ++lane) acc[lane] += acc[lane + width];
+      out[i * BLOCK_N + j] = acc[0];
+    }
+}
+#endif
+
+at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
+                       const at::Tensor& scales, const at::Tensor& offsets,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16, "int8_linear: input must be bfloat16");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous(),
+              "int8_linear: codes must come from int8_pack");
+  const int64_t N = codes.size(0) * BLOCK_N, groups = codes.size(1), K = groups * GROUP;
+  TORCH_CHECK(input.size(-1) == K, "int8_linear: input has ", input.size(-1),
+              " features, the weight ", K);
+  const auto blocks = super_blocks(groups);
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && offsets.is_contiguous() &&
+                  scales.numel() == N * count * LANES && offsets.numel() == N * count * LANES,
+              "int8_linear: scales and offsets must come from int8_pack");
+  const at::Tensor x = input.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  auto out_sizes = input.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, input.options());
+  if (M == 0) return out.view(out_sizes);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  // Each row in packed order, and its inputs' sum per lane of every super-block.
+  std::vector<int32_t> source(K);
+  for (const SuperBlock& block : blocks)
+    for (int64_t step = block.first_step; step < block.first_step + block.groups; ++step)
+      for (int64_t lane = 0; lane < LANES; ++lane)
+        for (int64_t pair = 0; pair < 2; ++pair)
+          source[step * GROUP + 2 * lane + pair] =
+              static_cast<int32_t>(source_index(block, step, lane, pair));
+  std::vector<uint16_t> packed_x(M * K);
+  std::vector<float> lane_sums(M * count * LANES);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = xp + m * K;
+    uint16_t* packed_row = packed_x.data() + m * K;
+    for (int64_t k = 0; k < K; ++k) packed_row[k] = row[source[k]];
+    for (int64_t b = 0; b < count; ++b) {
+      float sums[LANES] = {0};
+      for (int64_t step = blocks[b].first_step; step < blocks[b].first_step + blocks[b].groups;
+           ++step)
+        for (int64_t lane = 0; lane < LANES; ++lane)
+          sums[lane] += bf16_to_float(packed_row[step * GROUP + 2 * lane]) +
+                        bf16_to_float(packed_row[step * GROUP + 2 * lane + 1]);
+      std::memcpy(lane_sums.data() + (m * count + b) * LANES, sums, sizeof sums);
+    }
+  }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  at::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // Enough output blocks per task that each reads about 128 KiB of codes.
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / (BLOCK_N * K));
+  at::parallel_for(0, N / BLOCK_N, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> decoded(BLOCK_N * K);
+    float dots[BLOCK_M * BLOCK_N];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const uint8_t* block_codes = cp + nb * groups * BLOCK_N * GROUP;
+      for (int64_t step = 0; step < groups; ++step)
+        for (int64_t j = 0; j < BLOCK_N; ++j) {
+          const uint8_t* src = block_codes + (step * BLOCK_N + j) * GROUP;
+          uint16_t* dst = decoded.data() + j * K + step * GROUP;
+#ifdef SPECDEC_AVX512BF16
+          _mm512_storeu_si512(reinterpret_cast<void*>(dst), (__m512i)decode32(src));
+#else
+          for (int64_t i = 0; i < GROUP; ++i) dst[i] = static_cast<uint16_t>(0x4300 | src[i]);
+#endif
+        }
+      const int64_t n0 = nb * BLOCK_N;
+      for (int64_t m0 = 0; m0 < M; m0 += BLOCK_M) {
+        const int64_t rows = std::min(BLOCK_M, M - m0);
+        const uint16_t* xrow = packed_x.data() + m0 * K;
+        const float* sums = lane_sums.data() + m0 * count * LANES;
+        if (rows == 2)
+          dot_block<2>(xrow, sums, K, blocks, decoded.data(), sp + n0 * count * LANES,
+                       op + n0 * count * LANES, dots);
+        else
+          dot_block<1>(xrow, sums, K, blocks, decoded.data(), sp + n0 * count * LANES,
+                       op + n0 * count * LANES, dots);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < BLOCK_N; ++j) {
+            float value = dots[i * BLOCK_N + j];
+            if (bp) value += bp[n0 + j];
+            yp[(m0 + i) * N + n0 + j] = c10::BFloat16(value).x;
+          }
+      }
+    }
+  });
+  return out.view(out_sizes);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec, m) {
+  m.def("int8_pack(Tensor codes, Tensor scales, Tensor offsets) -> (Tensor, Tensor, Tensor)");
+  m.def("int8_linear(Tensor input, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias)"
+        " -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("int8_pack", &int8_pack);
+  m.impl("int8_linear", &int8_linear);
+}

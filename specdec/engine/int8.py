@@ -1,0 +1,177 @@
+"""int8 weights for CPU decoding: one byte per weight, bfloat16 activations.
+
+Decoding reads every weight once per token, so on a CPU its speed is the weights' bytes
+over the memory bandwidth. `--dtype int8` stores each linear layer's weights (the
+vocabulary projection included) in one byte each, about half of bfloat16's traffic,
+and keeps everything else (embeddings, norms, attention, the KV cache) in bfloat16.
+
+The format: each weight row is cut into groups of GROUP inputs; a group keeps a float32
+scale s and offset o, and each weight a code c in 0..120, w = s * (128 + c) + o. A
+GGUF Q4_1 block (a scale and minimum per 32 weights, 16 levels) is represented exactly
+(c = 8 * q), so the embedded SmolLM2 target keeps its own weights; other models get an
+error of at most a 240th of a group's range per weight. The operator's source
+describes how the product is laid out for the CPU's vector units.
+
+The product is a small C++ operator (csrc/int8_linear.cpp, `torch.ops.specdec.int8_linear`)
+compiled on first use with the machine's C++ compiler for its own CPU (AVX-512 BF16
+where present, portable C++ elsewhere) and cached on disk. Each output element is a sum
+in an order fixed by the layer's width alone, so a row's result never depends on the
+other rows in the forward: exact verification and batching of sessions hold by
+construction, and the load-time probe (specdec.engine.kernels.row_invariant_rows) checks
+it like the bfloat16 kernel's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # inputs per scale and offset
+BLOCK = 4  # outputs the operator computes together: a layer needs a multiple of them
+# Codes 0..120 (128 + code is exact in bfloat16 up to code 127): 120 steps per group
+# hold a 16-level block (a GGUF Q4_1 block) exactly, at 8 codes a level.
+LEVELS = 120
+SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_linear.cpp"
+_loaded = False
+_lock = threading.Lock()
+
+
+class Int8KernelError(RuntimeError):
+    """The int8 operator could not be built or loaded here."""
+
+
+def kernel_cache_dir() -> Path:
+    """Where the compiled operator is kept: TORCH_EXTENSIONS_DIR when set, else
+    $XDG_CACHE_HOME/specdec/kernels, one folder per torch version and CPU (it is built
+    for the CPU it runs on)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "specdec", "kernels")
+    return Path(root) / f"torch-{torch.__version__}-{_cpu_key()}"
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        pass
+    text = f"{platform.machine()} {platform.processor()} {flags}"
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def load_operator() -> None:
+    """Build (first use on a machine, about ten seconds) or load the operator; raise
+    Int8KernelError with what to do when that fails."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils.cpp_extension import load
+
+        build_dir = kernel_cache_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        try:
+            # -fopenmp: at::parallel_for splits the outputs over torch's threads (the
+            # process's one OpenMP runtime, loaded with torch, serves it).
+            load("specdec_int8_linear", [str(SOURCE)], build_directory=str(build_dir),
+                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        except Exception as error:  # a missing compiler raises several types
+            raise Int8KernelError(
+                f"--dtype int8 needs its CPU operator, which failed to build in {build_dir}: "
+                f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}; "
+                "install a C++ compiler (g++) and ninja, or use --dtype bfloat16") from error
+        torch.library.register_fake("specdec::int8_linear")(_fake_int8_linear)
+        _loaded = True
+        log.info("int8 operator ready in %.1f s (%s)", time.perf_counter() - started, build_dir)
+
+
+def _fake_int8_linear(input: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      offsets: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], codes.shape[0]))
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 [out, in], scales and offsets float32 [out, in / GROUP]) of a weight,
+    in input order: w = scale * (128 + code) + offset per group of GROUP inputs."""
+    out_features, in_features = weight.shape
+    grouped = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    scales = (high - low) / LEVELS
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = ((grouped - low[..., None]) / scales[..., None]).round_().clamp_(0, LEVELS)
+    return (codes.to(torch.uint8).reshape(out_features, in_features), scales.contiguous(),
+            (low - 128 * scales).contiguous())
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+               ) -> torch.Tensor:
+    """The float32 weight that quantize's codes stand for (tests, quality checks)."""
+    out_features, in_features = codes.shape
+    grouped = codes.float().reshape(out_features, in_features // GROUP, GROUP)
+    return (scales[..., None] * (128 + grouped) + offsets[..., None]).reshape(
+        out_features, in_features)
+
+
+def supports(linear: nn.Linear) -> bool:
+    return linear.in_features % GROUP == 0 and linear.out_features % BLOCK == 0
+
+
+class Int8Linear(nn.Module):
+    """A linear layer on int8 weights (inference only; buffers, no parameters)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if not supports(linear):
+            raise ValueError(f"int8 linear needs in_features % {GROUP} == 0 and "
+                             f"out_features % {BLOCK} == 0, got {linear.in_features} -> "
+                             f"{linear.out_features}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # The operator's layout (int8_pack): codes reordered so that each vector lane
+        # sums one group's inputs, scales and offsets as per-lane vectors.
+        codes, scales, offsets = torch.ops.specdec.int8_pack(*quantize(linear.weight))
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("offsets", offsets)
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.register_buffer("bias", bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.specdec.int8_linear(input.to(torch.bfloat16), self.codes, self.scales,
+                                            self.offsets, self.bias)
+        return out if input.dtype == torch.bfloat16 else out.to(input.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8 groups of {GROUP}")
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear of model that the format fits by an Int8Linear, in place
+    (a tied output projection gets its own int8 copy; the embedding stays). Returns how
+    many were replaced; the others keep their kernel."""
+    load_operator()
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and supports(child):
+                setattr(parent, name, Int8Linear(child))
+                replaced += 1
+    if getattr(model, "config", None) is not None and hasattr(model.config, "tie_word_embeddings"):
+        # The output projection is its own module now; the embedding must not be re-tied
+        # onto it (transformers re-ties on some calls when the flag is set).
+        model.config.tie_word_embeddings = False
+    return replaced

@@ -1,0 +1,147 @@
+"""--dtype int8: the int8 weight format, its CPU operator, and the model it serves.
+
+The operator is built once per machine (tests share the on-disk build). Exactness of the
+served int8 target (verification rows and token trees equal decoded rows bit for bit,
+greedy speculation equal to target-only decoding) is in test_row_invariance.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+from torch import nn
+
+from specdec.engine import int8
+from specdec.engine.attention import apply_attention_kernel
+from specdec.engine.backends import select_backend
+from specdec.engine.kernels import apply_linear_kernel, resolve_kernel, row_invariant_rows
+from specdec.engine.models import linear_kernel_for, parse_dtype
+from specdec.engine.runner import ModelRunner
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def operator() -> None:
+    int8.load_operator()
+
+
+def _layer(in_features: int, out_features: int, bias: bool = False, seed: int = 0
+           ) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def test_a_q4_1_block_is_held_exactly() -> None:
+    """A weight made like a GGUF Q4_1 block (a scale d and minimum m per 32 weights,
+    w = d * q + m with q in 0..15) comes back as itself: the embedded target keeps its
+    own weights."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (8, 4, 32), generator=generator).float()
+    q[..., 0], q[..., 1] = 0, 15  # every block spans all 16 levels
+    d = torch.rand(8, 4, 1, generator=generator) * 0.01 + 1e-3
+    m = -torch.rand(8, 4, 1, generator=generator) * 0.05
+    weight = (d * q + m).reshape(8, 128)
+    restored = int8.dequantize(*int8.quantize(weight))
+    torch.testing.assert_close(restored, weight, rtol=0, atol=1e-7)
+
+
+def test_any_weight_is_held_within_a_240th_of_its_group_range() -> None:
+    weight = torch.randn(16, 96) * 0.05
+    restored = int8.dequantize(*int8.quantize(weight))
+    grouped = weight.reshape(16, 3, 32)
+    bound = (grouped.amax(-1) - grouped.amin(-1)) / (2 * int8.LEVELS)
+    error = (restored - weight).abs().reshape(16, 3, 32).amax(-1)
+    assert bool((error <= bound * 1.001 + 1e-8).all())
+
+
+@pytest.mark.parametrize(("in_features", "out_features"),
+                         [(576, 192), (1536, 64), (96, 8), (32, 4), (544, 12)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_operator_computes_x_times_the_weight_it_holds(in_features: int,
+                                                           out_features: int,
+                                                           bias: bool) -> None:
+    layer = _layer(in_features, out_features, bias)
+    quantized = int8.Int8Linear(layer)
+    x = torch.randn(7, in_features).bfloat16()
+    weight = int8.dequantize(*int8.quantize(layer.weight))
+    expected = x.float() @ weight.T + (layer.bias.detach() if bias else 0)
+    got = quantized(x).float()
+    # bfloat16 output: a relative rounding of 2^-8, on sums of products of that size.
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (1536, 64), (96, 8)])
+def test_a_row_gets_the_same_bits_whatever_shares_its_forward(in_features: int,
+                                                               out_features: int) -> None:
+    """Every row of an n-row product equals that row alone, for every n up to 40 and any
+    place of the row among the others (what verification and batching need)."""
+    quantized = int8.Int8Linear(_layer(in_features, out_features))
+    x = torch.randn(40, in_features).bfloat16()
+    alone = torch.cat([quantized(x[row:row + 1]) for row in range(40)])
+    for rows in range(1, 41):
+        assert torch.equal(quantized(x[:rows]), alone[:rows]), rows
+    shuffled = torch.randperm(40)
+    assert torch.equal(quantized(x[shuffled]), alone[shuffled])
+    assert torch.equal(quantized(x.reshape(2, 20, in_features)).reshape(40, -1), alone)
+
+
+def test_the_row_bits_do_not_depend_on_the_thread_count() -> None:
+    quantized = int8.Int8Linear(_layer(576, 1536))
+    x = torch.randn(5, 576).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quantized(x)
+        torch.set_num_threads(2)
+        two = quantized(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_a_model_on_int8_is_row_invariant_by_the_load_probe_and_in_its_forward() -> None:
+    model = tiny_llama(vocab_size=64, hidden=64).to(torch.bfloat16)
+    assert apply_linear_kernel(model, "int8") == "int8"
+    apply_attention_kernel(model, "auto")  # rowwise in bfloat16, as the backend serves it
+    assert sum(isinstance(m, int8.Int8Linear) for m in model.modules()) == 2 * 7 + 1
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert row_invariant_rows(model) == 256
+    runner = ModelRunner(model)
+    prompt, block = list(range(3, 40)), [5, 9, 11, 2, 60, 7]
+    runner.extend("v", 0, 0, prompt)
+    verified = runner.extend("v", len(prompt), runner._sessions["v"].history.fingerprint(),
+                             block, num_logits=len(block)).logits
+    runner.extend("d", 0, 0, prompt)
+    decoded = [runner.append("d", [token]).logits for token in block]
+    assert torch.equal(verified, torch.cat(decoded))
+
+
+def test_dtype_int8_names_the_int8_kernel_with_bfloat16_activations() -> None:
+    assert parse_dtype("int8") == torch.bfloat16
+    assert linear_kernel_for("int8", "auto") == "int8"
+    assert linear_kernel_for("bfloat16", "auto") == "auto"
+    backend = select_backend(type("Args", (), {"dtype": "int8"})())
+    assert backend.dtype == torch.bfloat16 and "linear int8" in backend.describe()
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cuda", torch.bfloat16),
+                                               ("cpu", torch.float32)])
+def test_int8_elsewhere_is_refused_with_the_setting_to_use(device: str,
+                                                           dtype: torch.dtype) -> None:
+    with pytest.raises(ValueError, match="use --dtype bfloat16"):
+        resolve_kernel("int8", torch.device(device), dtype)
+
+
+def test_a_build_failure_names_the_compiler_and_the_way_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Error building extension: g++: not found")
+
+    monkeypatch.setattr(int8, "_loaded", False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    with pytest.raises(int8.Int8KernelError, match=r"install a C\+\+ compiler .* --dtype "
+                                                   r"bfloat16"):
+        int8.load_operator()
