@@ -212,7 +212,8 @@ def _invariant_rows(layer: nn.Module, cap: int) -> int:
     reference for every row: a row whose bits depend on its place or on the row count
     shows up as a mismatch."""
     generator = torch.Generator().manual_seed(0)
-    block = torch.randn(ONEDNN_MIN_ROWS, int(layer.in_features), generator=generator)
+    in_features: int = layer.in_features  # type: ignore[assignment]  # Linear or Int8Linear
+    block = torch.randn(ONEDNN_MIN_ROWS, in_features, generator=generator)
     weight = getattr(layer, "weight", None)
     block = block.to(weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16)
     reference = layer(block)
