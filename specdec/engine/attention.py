@@ -135,8 +135,12 @@ def _rowwise_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             call_value = value[0][:, call.slots].transpose(0, 1)
             row_query = query[0][:, picked].reshape(kv_heads, groups, count, head_dim
                                                     ).permute(2, 0, 1, 3)
-            result = F.scaled_dot_product_attention(row_query, call_key, call_value,
-                                                    dropout_p=dropout, scale=scaling)
+            # One call per row: a batched call's entries match calls of their own on one
+            # thread, not always on more (SDPA splits a batch's work by thread count).
+            result = torch.cat([F.scaled_dot_product_attention(
+                row_query[entry:entry + 1], call_key[entry:entry + 1],
+                call_value[entry:entry + 1], dropout_p=dropout, scale=scaling)
+                for entry in range(count)])
             out[0, picked] = result.reshape(count, heads, value.shape[-1])
             continue
         rows = len(call.prefixes)
