@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,6 +122,9 @@ def test_demo_streams_an_answer_and_compares_with_target_only(
     assert "speculative decoding, adaptive draft length" in result.stdout
     assert "identical output: yes" in result.stdout
     assert "median of 2 prompts" in result.stdout
+    # Absolute speeds beside the ratio: both runs' generated tokens over their seconds.
+    assert re.search(r"target only [0-9.]+ s, [0-9.]+ tok/s; speculative [0-9.]+ s, "
+                     r"[0-9.]+ tok/s", " ".join(result.stdout.split()))
     assert "stopped: coordinator exit 0, draft exit 0, target exit 0" in result.stdout
 
 

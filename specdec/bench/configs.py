@@ -12,7 +12,12 @@ HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
 LOCAL = "specdec-local"
 GRPC = "specdec-grpc"
-SYSTEMS = (TARGET_ONLY, HF_GENERATE, HF_ASSISTED, LOCAL, GRPC)
+# llama.cpp on the same weights (specdec.bench.llama_cpp; skipped where it is missing).
+LLAMA_CPP_BF16 = "llama-cpp-bf16"
+LLAMA_CPP_Q8_0 = "llama-cpp-q8_0"
+LLAMA_CPP_NGRAM = "llama-cpp-ngram"
+LLAMA_CPP_SYSTEMS = (LLAMA_CPP_BF16, LLAMA_CPP_Q8_0, LLAMA_CPP_NGRAM)
+SYSTEMS = (TARGET_ONLY, HF_GENERATE, HF_ASSISTED, LOCAL, GRPC, *LLAMA_CPP_SYSTEMS)
 # specdec in-process with the token-only draft hf-assisted runs, beside a feature draft
 # (--systems ...,specdec-local-token-draft): the two drafts compared in one run.
 LOCAL_TOKEN_DRAFT = "specdec-local-token-draft"

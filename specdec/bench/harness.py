@@ -27,6 +27,7 @@ from specdec.bench.configs import (
     HF_ASSISTED,
     HF_GENERATE,
     LENGTHS,
+    LLAMA_CPP_SYSTEMS,
     LOCAL_TOKEN_DRAFT,
     MODES,
     SYSTEMS,
@@ -242,6 +243,20 @@ class Bench:
                  grpc: GrpcEndpoint | None = None) -> None:
         self.settings = settings
         self.models = models
+        self.llama_cpp: Any | None = None
+        wanted = tuple(system for system in settings.systems if system in LLAMA_CPP_SYSTEMS)
+        if wanted:
+            from specdec.bench import llama_cpp
+
+            reason = llama_cpp.unavailable_reason(settings.target_model)
+            if reason is None:
+                self.llama_cpp = llama_cpp.LlamaCppSystems(
+                    wanted, settings.torch_threads or torch.get_num_threads())
+            else:
+                print(f"specdec bench: skipping {', '.join(wanted)}: {reason}", flush=True)
+                settings = dataclasses.replace(settings, systems=tuple(
+                    system for system in settings.systems if system not in wanted))
+                self.settings = settings
         self.configs = build_configs(settings.systems, settings.lengths)
         sampled = build_configs(settings.systems, settings.sampled_lengths or settings.lengths)
         self.mode_configs = {mode: self.configs if MODES[mode].temperature == 0 else sampled
@@ -285,6 +300,10 @@ class Bench:
                 max_new_tokens: int, seed: int, cache_salt: str = "") -> RunRecord:
         """cache_salt: the coordinator's suffix cache partition (gRPC systems)."""
         mode = MODES[mode_name]
+        if config.system in LLAMA_CPP_SYSTEMS:
+            assert self.llama_cpp is not None
+            return self.llama_cpp.run(config, mode, prompt_ids, max_new_tokens,
+                                      self.models.eos, seed)
         if config.system in (HF_GENERATE, HF_ASSISTED):
             return baselines.run_hf(config, mode, self.models.target, self.hf_draft,
                                     prompt_ids, max_new_tokens, self.models.eos, seed)

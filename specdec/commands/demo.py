@@ -103,11 +103,12 @@ def run(args: argparse.Namespace) -> int:
             speculative_s = statistics.median(pair[1].stats.total_seconds for pair in timed)
             ratios = [pair[0].stats.total_seconds / max(1e-9, pair[1].stats.total_seconds)
                       for pair in timed]
+            rates = [tokens_per_second([pair[index] for pair in timed]) for index in (0, 1)]
             console.print(f"\nidentical output: {'[green]yes[/]' if same else '[red]NO[/]'}   "
                           f"speed-up: [bold]{baseline_s / max(1e-9, speculative_s):.2f}x[/] "
                           f"(median of {len(timed)} prompts, each run both ways: target only "
-                          f"{baseline_s:.2f} s, "
-                          f"speculative {speculative_s:.2f} s; pairs "
+                          f"{baseline_s:.2f} s, {rates[0]:.1f} tok/s; "
+                          f"speculative {speculative_s:.2f} s, {rates[1]:.1f} tok/s; pairs "
                           f"{min(ratios):.2f}-{max(ratios):.2f}x)")
             if not same:
                 return 1
@@ -115,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
         codes = stack.stop()
         console.print("stopped: " + ", ".join(f"{r} exit {c}" for r, c in codes.items()))
     return 0
+
+
+def tokens_per_second(responses: list[Any]) -> float:
+    """Generated tokens over generation seconds, summed over the responses."""
+    tokens = sum(len(response.token_ids) for response in responses)
+    return tokens / max(1e-9, sum(response.stats.total_seconds for response in responses))
 
 
 def compare(endpoint: str, args: argparse.Namespace, repeats: int,
