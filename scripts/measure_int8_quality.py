@@ -31,7 +31,8 @@ def main() -> None:
 
     from specdec.draft_training.heldout import held_out_chat
     from specdec.engine.backends.cpu import load_causal_lm
-    from specdec.engine.models import linear_kernel_for, parse_dtype
+    from specdec.engine.models import parse_dtype
+    from specdec.settings import linear_kernel_for
 
     cpu = torch.device("cpu")
     reference = load_causal_lm(args.target_model, cpu, torch.bfloat16, progress=False)

@@ -20,6 +20,7 @@ from specdec.settings import (
     add_settings,
     default,
     env_name,
+    linear_kernel_for,
 )
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORTS", "ROLES", "add_model_settings", "add_serve_arguments",
@@ -46,7 +47,8 @@ def draft_precision(args: argparse.Namespace | Any) -> tuple[str, str]:
     else the shared ones (args: flags, or anything with the same attributes)."""
     setting = getattr(args, "draft_dtype", "") or "auto"
     return (args.dtype if setting == "same" else setting,
-            getattr(args, "draft_linear_kernel", "") or args.linear_kernel)
+            getattr(args, "draft_linear_kernel", "")
+            or linear_kernel_for(args.dtype, args.linear_kernel))
 
 
 def apply_torch_settings(args: argparse.Namespace) -> tuple[Any, Any]:

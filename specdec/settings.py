@@ -79,6 +79,15 @@ class Setting:
 # Choices shared with the modules that implement them (a test checks they agree).
 BACKENDS = ("auto", "cpu-tuned", "torch")
 LINEAR_KERNELS = ("auto", "torch", "skinny", "onednn", "int8")
+# --dtype int8 is a storage format, not a tensor dtype: int8 linear weights (the int8
+# linear kernel, specdec.engine.int8) with everything else, activations included, in
+# bfloat16.
+INT8_DTYPE = "int8"
+
+
+def linear_kernel_for(dtype_name: str, linear_kernel: str) -> str:
+    """The linear kernel a --dtype value implies: int8 for int8, else linear_kernel."""
+    return INT8_DTYPE if dtype_name.lower() == INT8_DTYPE else linear_kernel
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 COMPILE_CHOICES = ("auto", "on", "off")
 # SpeculationParams.method: where a round's proposals come from (coordinator.validation).

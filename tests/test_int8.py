@@ -15,8 +15,9 @@ from specdec.engine import int8
 from specdec.engine.attention import apply_attention_kernel
 from specdec.engine.backends import select_backend
 from specdec.engine.kernels import apply_linear_kernel, resolve_kernel, row_invariant_rows
-from specdec.engine.models import linear_kernel_for, parse_dtype
+from specdec.engine.models import parse_dtype
 from specdec.engine.runner import ModelRunner
+from specdec.settings import linear_kernel_for
 
 CPU = torch.device("cpu")
 

@@ -1,8 +1,8 @@
 """Load the pair in a given numeric format for the cost comparison.
 
 "float32", "bfloat16", "float16": weights and activations in that dtype.
-"int8": float32 model whose nn.Linear layers (LM head included) are replaced by
-torch's dynamic int8 quantisation (int8 weights, activations quantised per call).
+"int8": what `--dtype int8` serves: int8 linear weights, bfloat16 activations
+(specdec.engine.int8).
 "FORMAT@KERNEL" (e.g. "float32@torch") also picks the linear kernel (specdec.engine.kernels),
 and "FORMAT@KERNEL@ATTENTION" (e.g. "float32@skinny@sdpa") the attention kernel
 (specdec.engine.attention); without them the bench's --linear-kernel / --attention-kernel apply.
@@ -10,7 +10,6 @@ and "FORMAT@KERNEL@ATTENTION" (e.g. "float32@skinny@sdpa") the attention kernel
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Protocol
 
 import torch
@@ -18,13 +17,6 @@ import torch
 from specdec.engine.runner import ModelRunner
 
 FORMATS = ("float32", "bfloat16", "float16", "int8")
-
-
-def quantize_int8(model: Any) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated, still works
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear},
-                                                      dtype=torch.qint8)
 
 
 class PairSettings(Protocol):
@@ -41,6 +33,7 @@ def load_runners(settings: PairSettings, label: str) -> tuple[ModelRunner, Model
     from specdec.engine.backends.cpu import load_causal_lm
     from specdec.engine.kernels import KERNELS
     from specdec.engine.models import parse_dtype
+    from specdec.settings import linear_kernel_for
 
     name, _, kernels = label.partition("@")
     kernel, _, attention = kernels.partition("@")
@@ -54,9 +47,8 @@ def load_runners(settings: PairSettings, label: str) -> tuple[ModelRunner, Model
     if kernel not in KERNELS:
         raise ValueError(f"unknown linear kernel {kernel!r} in {label!r}; "
                          f"choose from {', '.join(KERNELS)}")
-    if name == "int8":
-        kernel = "torch"  # quantize_dynamic replaces exactly nn.Linear modules
-    dtype = torch.float32 if name == "int8" else parse_dtype(name)
+    kernel = linear_kernel_for(name, kernel)
+    dtype = parse_dtype(name)
     cpu = torch.device("cpu")
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=False,
                             linear_kernel=kernel, attention_kernel=attention)
@@ -65,8 +57,6 @@ def load_runners(settings: PairSettings, label: str) -> tuple[ModelRunner, Model
                            target_model=settings.target_model)
     target_model: Any = target.model
     draft_model: Any = draft.model
-    if name == "int8":
-        target_model, draft_model = quantize_int8(target_model), quantize_int8(draft_model)
     vocab = int(target_model.config.vocab_size)
     return (ModelRunner(target_model),
             ModelRunner(draft_model, target_vocab_size=vocab, token_map=draft.token_map))

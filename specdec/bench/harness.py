@@ -45,7 +45,7 @@ from specdec.engine.kernels import resolve_kernel
 from specdec.engine.local import LocalDrafter, LocalVerifier
 from specdec.engine.models import DEFAULT_DRAFT, parse_dtype
 from specdec.engine.runner import ModelRunner
-from specdec.settings import default
+from specdec.settings import default, linear_kernel_for
 
 WARMUP_PROMPT = "Say hello and introduce yourself in two sentences."
 
@@ -165,13 +165,14 @@ def load_models(settings: BenchSettings) -> BenchModels:
     from specdec.serving.model_service import model_info
 
     dtype = parse_dtype(settings.dtype)
+    linear_kernel = linear_kernel_for(settings.dtype, settings.linear_kernel)
     cpu = torch.device("cpu")
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=settings.progress,
-                            linear_kernel=settings.linear_kernel,
+                            linear_kernel=linear_kernel,
                             attention_kernel=settings.attention_kernel)
     info = model_info(settings.target_model)
     draft_dtype, draft_linear_kernel = settings.draft_precision
-    backend = CpuTunedBackend(cpu, dtype, linear_kernel=settings.linear_kernel,
+    backend = CpuTunedBackend(cpu, dtype, linear_kernel=linear_kernel,
                               attention_kernel=settings.attention_kernel, draft_dtype=draft_dtype,
                               draft_linear_kernel=draft_linear_kernel,
                               draft_compile=settings.draft_compile)
@@ -457,7 +458,8 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
 def cost_label(settings: BenchSettings, models: BenchModels) -> str:
     """The target's FORMAT@KERNEL@ATTENTION as resolved on CPU, and the draft's."""
     dtype, cpu = parse_dtype(settings.dtype), torch.device("cpu")
-    target = (f"{settings.dtype}@{resolve_kernel(settings.linear_kernel, cpu, dtype)}"
+    kernel = linear_kernel_for(settings.dtype, settings.linear_kernel)
+    target = (f"{settings.dtype}@{resolve_kernel(kernel, cpu, dtype)}"
               f"@{resolve_attention(settings.attention_kernel, cpu, dtype)}")
     return f"{target}, draft {models.draft_precision}" if models.draft_precision else target
 

@@ -19,9 +19,10 @@ import torch
 
 from specdec.engine.draft_compile import OFF, CompileOutcome, compile_draft
 from specdec.engine.kernels import resolve_kernel
-from specdec.engine.models import LoadedModel, linear_kernel_for, parse_dtype
+from specdec.engine.models import LoadedModel, parse_dtype
 from specdec.engine.runner import ModelRunner
 from specdec.engine.timing import STEP_ROUNDS, fastest_step_s
+from specdec.settings import linear_kernel_for
 
 AUTO = "auto"
 

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from specdec.engine.token_map import has_token_map, read_token_map
-from specdec.settings import SETTINGS, default
+from specdec.settings import INT8_DTYPE, SETTINGS, default
 
 if TYPE_CHECKING:
     from specdec.engine.eagle3 import Eagle3DraftForCausalLM
@@ -51,12 +51,9 @@ def model_cache_dir() -> Path:
     return Path(base) / "specdec" / "models"
 
 
-# int8 is a storage format, not a tensor dtype: int8 linear weights (the int8 linear
-# kernel, specdec.engine.int8) with everything else, activations included, in bfloat16.
-INT8 = "int8"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          INT8: torch.bfloat16}
+          INT8_DTYPE: torch.bfloat16}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -66,11 +63,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
-
-
-def linear_kernel_for(dtype_name: str, linear_kernel: str) -> str:
-    """The linear kernel a --dtype value implies: int8 for int8, else linear_kernel."""
-    return INT8 if dtype_name.lower() == INT8 else linear_kernel
 
 
 def cuda_unavailable_reason() -> str:

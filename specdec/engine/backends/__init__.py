@@ -22,8 +22,8 @@ import torch
 from specdec.engine.backends.base import Backend, DraftChoice
 from specdec.engine.backends.cpu import CpuTunedBackend, load_causal_lm
 from specdec.engine.backends.stock import TorchBackend
-from specdec.engine.models import linear_kernel_for, parse_device, parse_dtype
-from specdec.settings import BACKENDS, default
+from specdec.engine.models import parse_device, parse_dtype
+from specdec.settings import BACKENDS, default, linear_kernel_for
 
 __all__ = ["Backend", "CpuTunedBackend", "DraftChoice", "TorchBackend", "backend_name",
            "load_causal_lm", "select_backend"]
