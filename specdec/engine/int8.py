@@ -93,7 +93,7 @@ def load_operator() -> None:
             raise Int8KernelError(
                 f"--dtype int8 needs its CPU operator, which failed to build in {build_dir}: "
                 f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}; "
-                "install a C++ compiler (g++) and ninja, or use --dtype bfloat16") from error
+                "install a C++ compiler (g++), or use --dtype bfloat16") from error
         torch.library.register_fake("specdec::int8_linear")(_fake_int8_linear)
         _loaded = True
         log.info("int8 operator ready in %.1f s (%s)", time.perf_counter() - started, build_dir)
