@@ -96,8 +96,9 @@ def warm_up(runner: ModelRunner) -> None:
                 sync = SyncPoint(session, committed, fingerprint,
                                  [next(tokens) for _ in range(catch_up)])
         # A round branches only where the draft hesitates, which random text may never
-        # make it do: token trees of several widths are run directly.
-        for branches in WARM_TREE_BRANCHES:
+        # make it do: token trees of several widths are run directly (a draft that reads
+        # the target's states proposes chains only).
+        for branches in () if runner.needs_target_hidden else WARM_TREE_BRANCHES:
             held = runner.kv_length(session)
             parents = tuple(held - 1 + (index % 2) for index in range(branches))
             runner.extend(session, held, runner._sessions[session].history.fingerprint(),
