@@ -129,7 +129,8 @@ class Eagle3DraftForCausalLM(LlamaForCausalLM):
 
     def fuse(self, target_rows: torch.Tensor) -> torch.Tensor:
         """[n, fused width] target states -> [n, hidden], the draft's input space."""
-        return self.fc(target_rows.to(self.fc.weight.dtype))
+        # The model's compute dtype (fc may hold int8 weights, which have no .weight).
+        return self.fc(target_rows.to(self.model.embed_tokens.weight.dtype))
 
     def state_module(self) -> tuple[nn.Module, bool]:
         """The module around which the fed-back state is read, and whether it is that
