@@ -256,9 +256,14 @@ def test_a_session_re_sent_from_position_0_gets_its_cache_back_bit_for_bit(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_name", [models.DEFAULT_DRAFT, models.FEATURE_DRAFT])
+# The feature draft's rounds are chains, which the token draft's rounds cover in int8.
+@pytest.mark.parametrize(("precision", "draft_name"), [
+    ("bfloat16", models.DEFAULT_DRAFT), ("bfloat16", models.FEATURE_DRAFT),
+    ("int8", models.DEFAULT_DRAFT)])
 def test_greedy_speculation_equals_target_only_decoding(
-        served_target: models.LoadedModel, draft_name: str) -> None:
+        request: pytest.FixtureRequest, precision: str, draft_name: str) -> None:
+    served_target: models.LoadedModel = request.getfixturevalue(
+        "target_bf16" if precision == "bfloat16" else "target_int8")
     """Against the target as served, same kernels: specdec's own target-only loop, and
     transformers' `generate` (prefill, then one-row forwards) on the same model object."""
     tokenizer = served_target.tokenizer
