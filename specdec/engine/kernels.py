@@ -134,23 +134,20 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
 
 
 def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
-    """Switch every nn.Linear of model (in place, weights and ties kept) to kernel.
+    """Switch every nn.Linear of model (in place, weights and ties kept) to kernel; int8
+    replaces the layers its format fits with Int8Linear (specdec.engine.int8).
 
     Returns the kernel in use ("auto" resolved from the model's device and dtype).
     """
     parameter = next(model.parameters())
-    chosen = resolve_kernel(kernel, parameter.device, parameter.dtype)
+    chosen = rest = resolve_kernel(kernel, parameter.device, parameter.dtype)
     if chosen == INT8:
         from specdec.engine.int8 import quantize_linears
 
         quantize_linears(model)
         # Layers the int8 format does not fit keep a row-invariant kernel.
-        chosen_rest = resolve_kernel("auto", parameter.device, parameter.dtype)
-        for module in model.modules():
-            if type(module) in _KERNEL_CLASSES.values():
-                module.__class__ = _KERNEL_CLASSES[chosen_rest]
-        return chosen
-    new_class = _KERNEL_CLASSES[chosen]
+        rest = resolve_kernel("auto", parameter.device, parameter.dtype)
+    new_class = _KERNEL_CLASSES[rest]
     for module in model.modules():
         if type(module) in _KERNEL_CLASSES.values():
             module.__class__ = new_class
