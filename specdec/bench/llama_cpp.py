@@ -91,12 +91,11 @@ class LlamaCppSystems:
         """One generation from the same token ids the other systems get."""
         model = self.models[config.system]
         params = mode.params(seed)
-        model.reset()
         model.set_seed(seed)
         tokens: list[int] = []
         started = time.perf_counter()
         for token in model.generate(
-                prompt_ids, temp=params.temperature, top_k=params.top_k if params.top_k else 0,
+                prompt_ids, temp=params.temperature, top_k=params.top_k,
                 top_p=params.top_p or 1.0, min_p=params.min_p, repeat_penalty=1.0,
                 reset=True):
             if token in eos:
