@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.bench.workloads import bench_texts
 from specdec.draft_training import heldout, stream_prompts
-from specdec.draft_training.heldout import CURVE_FILE, PLOT_FILE, held_out_chat
+from specdec.draft_training.heldout import CURVE_FILE, GENERATED, PLOT_FILE, held_out_chat
 from specdec.draft_training.producers import (
     DraftWrittenProducer,
     TargetDecodingProducer,
@@ -210,14 +210,17 @@ def test_a_stream_run_writes_the_curve_and_the_next_run_resumes(
     assert first["progress"]["step"] > 0 and first["progress"]["tokens"] > 0
     curve = json.loads((work / CURVE_FILE).read_text())
     assert len(curve) >= 2 and curve[0]["tokens"] == 0 and curve[0]["step"] == 0
-    assert all(0.0 <= p["top1_agreement"] <= 1.0 and 0.0 <= p["expected_acceptance"] <= 1.0
-               for p in curve)
+    # the hand-written set's figures, and the prompt sets' under GENERATED
+    assert all(0.0 <= f["top1_agreement"] <= 1.0 and 0.0 <= f["expected_acceptance"] <= 1.0
+               and f["positions"] > 0 for p in curve for f in (p, p[GENERATED]))
     assert (out / PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
     assert json.loads((out / CURVE_FILE).read_text()) == curve
     assert (out / "token_map.json").exists() and (work / CHECKPOINT_FILE).exists()
     card = (out / "README.md").read_text()
     assert card.index("- stage one") < card.index("Streaming stage") < card.index(
-        "## Held-out curve") < card.index(f"]({PLOT_FILE})") < card.index(
+        "## Held-out curve") < card.index("2 hand-written everyday conversations") < card.index(
+        "On 2 held-out prompts of the project's prompt sets") < card.index(
+        f"]({PLOT_FILE})") < card.index(
         "## Evaluation of the draft before the streaming stage (old)")
     stored = AutoModelForCausalLM.from_pretrained(out)
     assert next(stored.parameters()).dtype == torch.bfloat16

@@ -1,7 +1,8 @@
 """`specdec train-draft`: the resumable pipeline behind the embedded default draft.
 
 Stages: data (target continuations + top-k distributions, sharded), train (distillation,
-checkpointed), eval (held-out acceptance and costs), card (model card from the figures).
+checkpointed), eval (acceptance on the hand-written held-out set, then on the prompt
+sets' held-out prompts, and costs), card (model card from the figures).
 Each stage resumes from what the previous run left in --work-dir.
 
 `--stream` runs streaming self-distillation instead (specdec/draft_training/stream.py):
@@ -38,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--init-draft", "",
                 "continue distilling this trained draft (a folder with token_map.json) "
                 "instead of starting from the target's first layers")
-    add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
+    add_setting(parser, "--eval-prompts", 24,
+                "held-out prompts of each set for evaluation (the hand-written set first, "
+                "then the prompt sets')", type=int)
     add_stream_settings(parser)
     parser.set_defaults(func=run)
 

@@ -37,7 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--regression-weight", 0.1,
                 "weight of the state-regression loss beside the cross-entropy", type=float)
     add_setting(parser, "--epochs", 3.0, "passes over the data", type=float)
-    add_setting(parser, "--eval-prompts", 24, "held-out prompts for evaluation", type=int)
+    add_setting(parser, "--eval-prompts", 24,
+                "held-out prompts of each set for evaluation (the hand-written set first, "
+                "then the prompt sets')", type=int)
     parser.set_defaults(func=run)
 
 

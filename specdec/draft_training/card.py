@@ -7,6 +7,14 @@ from pathlib import Path
 
 from specdec.engine.token_map import read_token_map
 
+# What the evaluation's held-out sets are, under its heading.
+HELD_OUT_SETS = ("Held-out prompts: hand-written, everyday single- and multi-turn "
+                 "conversations that no generator made (advice, explanation, how-to, story, "
+                 "code, comparison, rewriting, lists; "
+                 "`specdec/draft_training/handwritten_heldout.jsonl`); templated and wide, the "
+                 "held-out split of the project's prompt generators. No training context "
+                 "holds either.")
+
 
 def _row(result: dict) -> str:
     greedy = result.get("greedy_matches_target")
@@ -122,6 +130,7 @@ def _evaluation_lines(report: dict) -> list[str]:
         f"## Evaluation ({report['num_prompts']} held-out prompts of each set, up to "
         f"{report['max_new_tokens']} new tokens, target in fp32, "
         f"{report['threads']} threads)",
+        HELD_OUT_SETS,
         "alpha = accepted / (accepted + rejections), the per-token acceptance probability; "
         "acceptance rate = accepted / drafted (vLLM's); mean accepted length includes the "
         "bonus/correction token.",
@@ -239,7 +248,7 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
     (evaluate.evaluate of this draft and of the starting draft, measured in one run) the
     evaluation is the two side by side instead; the costs stay the starting draft's (the
     stage keeps the architecture)."""
-    from specdec.draft_training.heldout import PLOT_FILE
+    from specdec.draft_training.heldout import GENERATED, PLOT_FILE, handwritten_held_out
 
     lines = init_card.read_text().splitlines()
     progress, settings, curve = summary["progress"], summary["settings"], summary["curve"]
@@ -264,15 +273,25 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
         f"({summary['tokens_per_s_this_run']:.0f} labelled tokens/s in the last run).",
         f"- Command: `{stream_command(settings)}`.",
     ]
+    count = settings["held_out_prompts"]
+    generated = ([f"On {count} held-out prompts of the project's prompt sets "
+                  f"({last[GENERATED]['positions']} positions): top-1 agreement "
+                  f"{first[GENERATED]['top1_agreement']:.3f} -> "
+                  f"{last[GENERATED]['top1_agreement']:.3f}, sum min(p, q) "
+                  f"{first[GENERATED]['expected_acceptance']:.3f} -> "
+                  f"{last[GENERATED]['expected_acceptance']:.3f}.", ""]
+                 if GENERATED in first and GENERATED in last else [])
     curve_lines = [
         "## Held-out curve (streaming stage)",
-        f"Teacher-forced on the target's greedy answers to {settings['held_out_prompts']} "
-        f"held-out chat prompts ({last['positions']} positions): top-1 agreement "
-        f"{first['top1_agreement']:.3f} -> {last['top1_agreement']:.3f}, expected T=1 "
-        f"acceptance sum min(p, q) {first['expected_acceptance']:.3f} -> "
-        f"{last['expected_acceptance']:.3f} over {last['tokens']:,} labelled tokens "
-        "(`stream_curve.json` beside this card).",
+        f"Teacher-forced on the target's greedy answers to "
+        f"{min(count, len(handwritten_held_out()))} hand-written everyday conversations "
+        f"(`specdec/draft_training/handwritten_heldout.jsonl`; {last['positions']} "
+        f"positions): top-1 agreement {first['top1_agreement']:.3f} -> "
+        f"{last['top1_agreement']:.3f}, expected T=1 acceptance sum min(p, q) "
+        f"{first['expected_acceptance']:.3f} -> {last['expected_acceptance']:.3f} over "
+        f"{last['tokens']:,} labelled tokens (`stream_curve.json` beside this card).",
         "",
+        *generated,
         f"![held-out acceptance against training tokens]({PLOT_FILE})",
         "",
     ]
@@ -316,6 +335,7 @@ def _comparison_lines(this: dict, start: dict) -> list[str]:
         f"each set, up to {this['max_new_tokens']} new tokens, target in fp32, "
         f"{this['threads']} threads; `specdec/draft_training/evaluate.py`, both drafts in "
         "one run)",
+        HELD_OUT_SETS,
         "alpha = accepted / (accepted + rejections), the per-token acceptance probability; "
         "acceptance rate = accepted / drafted (vLLM's); mean accepted length includes the "
         "bonus/correction token. Starting draft -> this draft.",

@@ -31,6 +31,17 @@ def interleave_by_category(prompts: list[Prompt]) -> list[Prompt]:
     return [p for p in mixed if p is not None]
 
 
+def training_split(prompt_set: str) -> list[Prompt]:
+    """A prompt set's training prompts, categories interleaved, without any that equals a
+    user turn of the hand-written held-out set up to case and spacing."""
+    # both modules import this one
+    from specdec.draft_training.heldout import handwritten_texts
+    from specdec.draft_training.stream_prompts import normal
+
+    train, _ = split(PROMPT_SETS[prompt_set][1]())
+    return interleave_by_category([p for p in train if normal(p.text) not in handwritten_texts()])
+
+
 def generate_shards(target_dir: str, out_dir: Path, batch_size: int = 48,
                     max_new_tokens: int = 128, top_k: int = 16, max_shards: int = 100,
                     time_budget_s: float = float("inf"), prompt_set: str = "templated",
@@ -42,9 +53,8 @@ def generate_shards(target_dir: str, out_dir: Path, batch_size: int = 48,
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    prefix, generate = PROMPT_SETS[prompt_set]
-    train_prompts, _ = split(generate())
-    prompts = interleave_by_category(train_prompts)
+    prefix = PROMPT_SETS[prompt_set][0]
+    prompts = training_split(prompt_set)
     num_shards = min(max_shards, len(prompts) // batch_size)
     started = time.monotonic()
     columns = (TextColumn(f"distillation data ({prompt_set} prompts)"), BarColumn(),

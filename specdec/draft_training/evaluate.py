@@ -1,5 +1,9 @@
 """Measure a draft against the target on held-out prompts: alpha, accepted length, costs.
 
+The held-out sets, in the report's order: the hand-written everyday conversations
+(heldout.handwritten_held_out), then the held-out split of the templated and the wide
+prompt sets.
+
 Figures follow docs/design.md ("Choosing the draft length"): alpha is the per-token acceptance
 probability (MLE under the geometric model: accepted / (accepted + rejections)); costs
 are medians of warm-cache forwards; the bound S(gamma) uses the measured T_target(k).
@@ -17,6 +21,7 @@ from specdec.core.history import TokenHistory
 from specdec.core.loop import GenerateConfig, RoundEvent, generate
 from specdec.core.sampling import SamplingParams
 from specdec.draft_training.datagen import PROMPT_SETS, interleave_by_category
+from specdec.draft_training.heldout import HANDWRITTEN, handwritten_held_out
 from specdec.draft_training.prompts import split
 from specdec.engine.local import LocalDrafter, LocalVerifier
 from specdec.engine.runner import ModelRunner
@@ -62,14 +67,19 @@ def speedup_bound(alpha: float, gamma: int, costs: CostResult) -> float:
 
 def held_out_prompt_ids(tokenizer, count: int,
                         prompt_set: str = "templated") -> list[tuple[str, list[int]]]:
-    _, held_out = split(PROMPT_SETS[prompt_set][1]())
-    chosen = interleave_by_category(held_out)[:count]
+    """(category, chat-template ids) of the first `count` prompts of a held-out set:
+    HANDWRITTEN or a prompt set's held-out split, categories in turn."""
+    if prompt_set == HANDWRITTEN:
+        chosen = [(p.kind, p.messages) for p in handwritten_held_out()[:count]]
+    else:
+        _, held_out = split(PROMPT_SETS[prompt_set][1]())
+        chosen = [(p.category, [{"role": "user", "content": p.text}])
+                  for p in interleave_by_category(held_out)[:count]]
     result = []
-    for prompt in chosen:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
-                                            add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]
-        result.append((prompt.category, list(ids)))
+    for category, messages in chosen:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+        result.append((category, list(ids)))
     return result
 
 
@@ -141,23 +151,24 @@ def evaluation_report(acceptance: list[AcceptanceResult], costs: CostResult) -> 
 
 def evaluate(draft_runner: ModelRunner, target_runner: ModelRunner, tokenizer, *,
              num_prompts: int = 24, max_new_tokens: int = 64, gamma: int = 4) -> dict:
+    """Acceptance on `num_prompts` prompts of each held-out set (the hand-written set
+    first, greedy and T=1; the templated set greedy and T=1; the wide set greedy), with
+    the greedy output checked against target-only decoding, and the costs."""
     torch.manual_seed(0)
-    prompts = held_out_prompt_ids(tokenizer, num_prompts)
     eos_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    acceptance = [
-        measure_acceptance(draft_runner, target_runner, prompts, 0.0, gamma, max_new_tokens,
-                           eos_id, check_greedy=True),
-        measure_acceptance(draft_runner, target_runner, prompts, 1.0, gamma, max_new_tokens,
-                           eos_id),
-    ]
-    # The wider request set's held-out prompts (greedy): closer to what users write.
-    wide = measure_acceptance(draft_runner, target_runner,
-                              held_out_prompt_ids(tokenizer, num_prompts, "wide"), 0.0, gamma,
-                              max_new_tokens, eos_id, check_greedy=True)
-    wide.prompt_set = "wide"
-    acceptance.append(wide)
-    costs = measure_costs(draft_runner, target_runner, prompts[0][1] * 3)
+    acceptance = []
+    for prompt_set, temperatures in ((HANDWRITTEN, (0.0, 1.0)), ("templated", (0.0, 1.0)),
+                                     ("wide", (0.0,))):
+        prompts = held_out_prompt_ids(tokenizer, num_prompts, prompt_set)
+        for temperature in temperatures:
+            result = measure_acceptance(draft_runner, target_runner, prompts, temperature,
+                                        gamma, max_new_tokens, eos_id,
+                                        check_greedy=temperature == 0.0)
+            result.prompt_set = prompt_set
+            acceptance.append(result)
+    context = held_out_prompt_ids(tokenizer, 1)[0][1] * 3  # a templated prompt's, thrice
+    costs = measure_costs(draft_runner, target_runner, context)
     report = evaluation_report(acceptance, costs)
-    report.update({"num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+    report.update({"num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
                    "threads": torch.get_num_threads()})
     return report

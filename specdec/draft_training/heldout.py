@@ -1,20 +1,25 @@
 """The held-out curve of streaming distillation: how often the draft would be accepted.
 
-The held-out set is everyday chat no training context holds: the held-out prompts of the
-project's prompt sets, each answered greedily by the target. Teacher-forced along those
-answers, two figures per draft:
+Two held-out sets of everyday chat that no training context holds, each prompt answered
+greedily by the target: first the hand-written set (`handwritten_heldout.jsonl`: single-
+and multi-turn conversations of the kinds people write, made by no generator), then the
+held-out prompts of the project's prompt sets. Teacher-forced along those
+answers, two figures per draft and set:
 - top-1 agreement: the share of positions where the draft's most probable token is the
   target's next token (under greedy verification, exactly when a drafted token is
   accepted; a target token outside the draft's vocabulary counts as a miss);
 - expected acceptance: the mean of sum_x min(p(x), q(x)), the probability that a token
   sampled from the draft is accepted at T=1 (docs/design.md, "The exactness contract").
-Each checkpoint appends both, with the tokens trained on so far, to a JSON log; the plot
-of the log sits next to the model card.
+Each checkpoint appends them, with the tokens trained on so far, to a JSON log: the
+hand-written set's figures at the top level of a point, the prompt sets' under
+"generated". The plot of the log sits next to the model card.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +30,52 @@ from transformers import LlamaForCausalLM, PreTrainedModel
 
 from specdec.draft_training.datagen import interleave_by_category
 from specdec.draft_training.producers import generate
-from specdec.draft_training.stream_prompts import ChatFormat, split_prompt_sets
+from specdec.draft_training.stream_prompts import ChatFormat, normal, split_prompt_sets
 
 CURVE_FILE = "stream_curve.json"
 PLOT_FILE = "heldout_curve.png"
+HANDWRITTEN_FILE = Path(__file__).with_name("handwritten_heldout.jsonl")
+HANDWRITTEN = "hand-written"  # the hand-written set's name in reports
+GENERATED = "generated"  # the prompt sets' held-out prompts: their key in a curve point
+Messages = list[dict[str, str]]  # a conversation as the chat template takes it
+
+
+@dataclass(frozen=True)
+class HandwrittenPrompt:
+    """A conversation of the hand-written held-out set; its last turn is the user's."""
+
+    id: str
+    kind: str  # advice, explanation, how-to, story, code, comparison, rewriting, lists
+    turns: tuple[tuple[str, str], ...]  # (role, content) in order
+
+    @property
+    def messages(self) -> Messages:
+        return [{"role": role, "content": content} for role, content in self.turns]
+
+    @property
+    def user_turns(self) -> list[str]:
+        return [content for role, content in self.turns if role == "user"]
+
+
+@functools.cache
+def handwritten_held_out() -> tuple[HandwrittenPrompt, ...]:
+    """The hand-written held-out set, kinds in turn (the file's order within a kind)."""
+    by_kind: dict[str, list[HandwrittenPrompt]] = {}
+    for line in HANDWRITTEN_FILE.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            turns = tuple((m["role"], m["content"]) for m in row["messages"])
+            by_kind.setdefault(row["kind"], []).append(
+                HandwrittenPrompt(row["id"], row["kind"], turns))
+    mixed = itertools.chain.from_iterable(itertools.zip_longest(*by_kind.values()))
+    return tuple(p for p in mixed if p is not None)
+
+
+@functools.cache
+def handwritten_texts() -> frozenset[str]:
+    """Every user turn of the hand-written set, normalised (stream_prompts.normal): text
+    no training context may hold as a user turn."""
+    return frozenset(normal(text) for p in handwritten_held_out() for text in p.user_turns)
 
 
 def held_out_chat(count: int) -> list[str]:
@@ -36,6 +83,13 @@ def held_out_chat(count: int) -> list[str]:
     per_set = [interleave_by_category(held_out) for _, held_out in split_prompt_sets()]
     mixed = [p.text for group in zip(*per_set, strict=False) for p in group]
     return mixed[:count]
+
+
+def held_out_sets(count: int) -> dict[str, list[Messages]]:
+    """The first `count` conversations of each held-out set: the hand-written set first,
+    then the prompt sets' held-out prompts (held_out_chat)."""
+    return {HANDWRITTEN: [p.messages for p in handwritten_held_out()[:count]],
+            GENERATED: [[{"role": "user", "content": text}] for text in held_out_chat(count)]}
 
 
 @dataclass
@@ -46,10 +100,10 @@ class HeldOutSet:
     token_map: list[int]
 
 
-def build_held_out(target: PreTrainedModel, tokenizer, token_map: list[int], count: int,
-                   max_new_tokens: int) -> HeldOutSet:
+def build_held_out(target: PreTrainedModel, tokenizer, token_map: list[int],
+                   conversations: list[Messages], max_new_tokens: int) -> HeldOutSet:
     chat = ChatFormat(tokenizer)
-    prompts = [chat.user_turn(text) for text in held_out_chat(count)]
+    prompts = [chat.conversation(messages) for messages in conversations]
     answers, _ = generate(target, prompts, 0.0, max_new_tokens, chat.end_of_turn,
                           pad=chat.end_of_turn)
     sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
@@ -65,16 +119,17 @@ def build_held_out(target: PreTrainedModel, tokenizer, token_map: list[int], cou
 
 
 def load_or_build_held_out(path: Path, target: PreTrainedModel, tokenizer,
-                           token_map: list[int], count: int,
+                           token_map: list[int], conversations: list[Messages],
                            max_new_tokens: int) -> HeldOutSet:
-    """The cached held-out set when it was built for this token map and size, else a new
-    one (cached for the next run)."""
-    key = hashlib.sha256(json.dumps([token_map, count, max_new_tokens]).encode()).hexdigest()
+    """The cached held-out set when it was built for this token map and these
+    conversations, else a new one (cached for the next run)."""
+    key = hashlib.sha256(json.dumps([token_map, conversations, max_new_tokens])
+                         .encode()).hexdigest()
     if path.exists():
         cached = torch.load(path)
         if cached.get("key") == key:
             return HeldOutSet(**cached["held_out"])
-    held_out = build_held_out(target, tokenizer, token_map, count, max_new_tokens)
+    held_out = build_held_out(target, tokenizer, token_map, conversations, max_new_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "held_out": held_out.__dict__}, path)
     return held_out
@@ -119,7 +174,8 @@ def write_curve(path: Path, curve: list[dict[str, Any]]) -> None:
 
 
 def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Held-out top-1 agreement and expected acceptance against labelled tokens."""
+    """Held-out top-1 agreement and expected acceptance against labelled tokens: the
+    hand-written set in solid lines, the prompt sets' (where every point has them) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -127,15 +183,20 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
 
     tokens = [entry["tokens"] for entry in curve]
     figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    axes.plot(tokens, [e["top1_agreement"] for e in curve], marker="o",
-              label="top-1 agreement (greedy acceptance)")
-    axes.plot(tokens, [e["expected_acceptance"] for e in curve], marker="s",
-              label="sum min(p, q) (T=1 acceptance)")
+    axes.plot(tokens, [e["top1_agreement"] for e in curve], marker="o", color="C0",
+              label="hand-written: top-1 agreement (greedy acceptance)")
+    axes.plot(tokens, [e["expected_acceptance"] for e in curve], marker="s", color="C1",
+              label="hand-written: sum min(p, q) (T=1 acceptance)")
+    if all(GENERATED in e for e in curve):
+        axes.plot(tokens, [e[GENERATED]["top1_agreement"] for e in curve], marker="o",
+                  color="C0", linestyle="--", alpha=0.6, label="prompt sets: top-1 agreement")
+        axes.plot(tokens, [e[GENERATED]["expected_acceptance"] for e in curve], marker="s",
+                  color="C1", linestyle="--", alpha=0.6, label="prompt sets: sum min(p, q)")
     axes.set_xlabel("target-labelled tokens trained on (this stage)")
     axes.set_ylabel("held-out, per token")
     axes.set_title(title)
     axes.grid(alpha=0.3)
-    axes.legend(loc="best")
+    axes.legend(loc="best", fontsize="small")
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

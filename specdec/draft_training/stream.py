@@ -40,7 +40,10 @@ from specdec.draft_training.eagle3_train import (
 )
 from specdec.draft_training.heldout import (
     CURVE_FILE,
+    GENERATED,
     PLOT_FILE,
+    HeldOutSet,
+    held_out_sets,
     load_or_build_held_out,
     measure_agreement,
     plot_curve,
@@ -74,7 +77,7 @@ from specdec.engine.token_map import (
 )
 
 CHECKPOINT_FILE = "stream_checkpoint.pt"
-HELD_OUT_FILE = "held_out_chat.pt"
+HELD_OUT_FILE = "held_out_{}.pt"  # per held-out set, by its name
 SUMMARY_FILE = "stream_summary.json"
 WARMUP_STEPS = 50
 
@@ -285,12 +288,19 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
         optimizer.load_state_dict(state["optimizer"])
         progress = Progress(**state["progress"])
         print(f"resuming at step {progress.step}, {progress.tokens:,} tokens", flush=True)
-    held_out = load_or_build_held_out(work_dir / HELD_OUT_FILE, target, tokenizer, token_map,
-                                      settings.held_out_prompts, settings.held_out_tokens)
-    def measure(model: LlamaForCausalLM) -> dict[str, Any]:
+    handwritten, generated = [
+        load_or_build_held_out(work_dir / HELD_OUT_FILE.format(name), target, tokenizer,
+                               token_map, conversations, settings.held_out_tokens)
+        for name, conversations in held_out_sets(settings.held_out_prompts).items()]
+
+    def measure_set(model: LlamaForCausalLM, held_out: HeldOutSet) -> dict[str, Any]:
         if isinstance(model, Eagle3DraftForCausalLM):
             return measure_eagle3_agreement(model, target, held_out, settings.ttt_steps)
         return measure_agreement(model, held_out)
+
+    def measure(model: LlamaForCausalLM) -> dict[str, Any]:
+        """The hand-written set's figures, the prompt sets' under GENERATED."""
+        return {**measure_set(model, handwritten), GENERATED: measure_set(model, generated)}
 
     curve = read_curve(curve_path) if checkpoint.exists() else []
     end = ChatFormat(tokenizer).end_of_turn
@@ -414,8 +424,11 @@ def _record_point(curve: list[dict[str, Any]], path: Path, draft: LlamaForCausal
              **measure(draft)}
     curve.append(point)
     write_curve(path, curve)
-    print(f"held-out: top-1 agreement {point['top1_agreement']:.4f}, expected acceptance "
-          f"{point['expected_acceptance']:.4f} at {progress.tokens:,} tokens", flush=True)
+    generated = point[GENERATED]
+    print(f"held-out top-1 agreement / expected acceptance: hand-written "
+          f"{point['top1_agreement']:.4f} / {point['expected_acceptance']:.4f}, prompt sets "
+          f"{generated['top1_agreement']:.4f} / {generated['expected_acceptance']:.4f} at "
+          f"{progress.tokens:,} tokens", flush=True)
 
 
 def _checkpoint(path: Path, curve: list[dict[str, Any]], curve_path: Path,

@@ -7,9 +7,9 @@ Three kinds of context, mixed in every batch:
 - a further user turn, written the same way, on a conversation the stream finished
   earlier (multi-turn continuation).
 
-The held-out prompts of both prompt sets and any excluded text (the bench prompts, given
-by the caller) never become a user turn: a written turn equal to one, up to case and
-spacing, is dropped.
+The user turns of the hand-written held-out set (heldout.py), the held-out prompts of
+both prompt sets and any excluded text (the bench prompts, given by the caller) never
+become a user turn: a turn equal to one, up to case and spacing, is dropped.
 """
 
 from __future__ import annotations
@@ -87,8 +87,12 @@ class ChatFormat:
 
     def user_turn(self, text: str) -> list[int]:
         """A first user turn as `specdec generate --chat` sends it."""
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return self.conversation([{"role": "user", "content": text}])
+
+    def conversation(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation that ends with a user turn, followed by the assistant prefix."""
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
         return self.encode(rendered)
 
 
@@ -101,9 +105,12 @@ class ConversationSource:
                  seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.4, 0.2),
                  max_context: int = 384, turn_tokens: int = 48, turn_temperature: float = 1.0,
                  remembered: int = 256) -> None:
+        from specdec.draft_training.heldout import handwritten_texts  # heldout imports this
+
         self.chat = ChatFormat(tokenizer)
         self.write_turns = write_turns
-        self.excluded = held_out_texts() | {normal(text) for text in excluded}
+        self.excluded = (handwritten_texts() | held_out_texts()
+                         | {normal(text) for text in excluded})
         self.rng = random.Random(seed)
         self.mix = mix
         self.max_context = max_context

@@ -32,7 +32,7 @@ class StreamSettings:
     checkpoint_every_s: float = 240.0
     progress_every_s: float = 30.0
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)  # of successive producer batches
-    held_out_prompts: int = 32
+    held_out_prompts: int = 32  # of each held-out set (heldout.held_out_sets)
     held_out_tokens: int = 64
     max_context: int = 384
     seed: int = 0
