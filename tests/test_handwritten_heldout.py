@@ -14,17 +14,20 @@ from tiny_models import save_tiny_pair, tiny_llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec.draft_training import datagen, heldout, stream_prompts
-from specdec.draft_training.heldout import (
-    GENERATED,
+from specdec.draft_training.handwritten import (
     HANDWRITTEN,
-    build_held_out,
     handwritten_held_out,
     handwritten_texts,
+    normal,
+)
+from specdec.draft_training.heldout import (
+    GENERATED,
+    build_held_out,
     held_out_sets,
     measure_agreement,
 )
 from specdec.draft_training.prompts import Prompt, generate_prompts, split
-from specdec.draft_training.stream_prompts import ChatFormat, ConversationSource, normal
+from specdec.draft_training.stream_prompts import ChatFormat, ConversationSource
 from specdec.draft_training.wide_prompts import generate_wide_prompts
 
 KINDS = ("advice", "explanation", "how-to", "story", "code", "comparison", "rewriting", "lists")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from specdec.draft_training.handwritten import handwritten_texts, normal
 from specdec.draft_training.prompts import Prompt, generate_prompts, split
 from specdec.draft_training.wide_prompts import generate_wide_prompts
 
@@ -34,10 +35,6 @@ def interleave_by_category(prompts: list[Prompt]) -> list[Prompt]:
 def training_split(prompt_set: str) -> list[Prompt]:
     """A prompt set's training prompts, categories interleaved, without any that equals a
     user turn of the hand-written held-out set up to case and spacing."""
-    # both modules import this one
-    from specdec.draft_training.heldout import handwritten_texts
-    from specdec.draft_training.stream_prompts import normal
-
     train, _ = split(PROMPT_SETS[prompt_set][1]())
     return interleave_by_category([p for p in train if normal(p.text) not in handwritten_texts()])
 

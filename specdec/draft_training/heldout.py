@@ -17,9 +17,7 @@ hand-written set's figures at the top level of a point, the prompt sets' under
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,53 +27,17 @@ import torch
 from transformers import LlamaForCausalLM, PreTrainedModel
 
 from specdec.draft_training.datagen import interleave_by_category
+from specdec.draft_training.handwritten import (
+    HANDWRITTEN,
+    Messages,
+    handwritten_held_out,
+)
 from specdec.draft_training.producers import generate
-from specdec.draft_training.stream_prompts import ChatFormat, normal, split_prompt_sets
+from specdec.draft_training.stream_prompts import ChatFormat, split_prompt_sets
 
 CURVE_FILE = "stream_curve.json"
 PLOT_FILE = "heldout_curve.png"
-HANDWRITTEN_FILE = Path(__file__).with_name("handwritten_heldout.jsonl")
-HANDWRITTEN = "hand-written"  # the hand-written set's name in reports
 GENERATED = "generated"  # the prompt sets' held-out prompts: their key in a curve point
-Messages = list[dict[str, str]]  # a conversation as the chat template takes it
-
-
-@dataclass(frozen=True)
-class HandwrittenPrompt:
-    """A conversation of the hand-written held-out set; its last turn is the user's."""
-
-    id: str
-    kind: str  # advice, explanation, how-to, story, code, comparison, rewriting, lists
-    turns: tuple[tuple[str, str], ...]  # (role, content) in order
-
-    @property
-    def messages(self) -> Messages:
-        return [{"role": role, "content": content} for role, content in self.turns]
-
-    @property
-    def user_turns(self) -> list[str]:
-        return [content for role, content in self.turns if role == "user"]
-
-
-@functools.cache
-def handwritten_held_out() -> tuple[HandwrittenPrompt, ...]:
-    """The hand-written held-out set, kinds in turn (the file's order within a kind)."""
-    by_kind: dict[str, list[HandwrittenPrompt]] = {}
-    for line in HANDWRITTEN_FILE.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            turns = tuple((m["role"], m["content"]) for m in row["messages"])
-            by_kind.setdefault(row["kind"], []).append(
-                HandwrittenPrompt(row["id"], row["kind"], turns))
-    mixed = itertools.chain.from_iterable(itertools.zip_longest(*by_kind.values()))
-    return tuple(p for p in mixed if p is not None)
-
-
-@functools.cache
-def handwritten_texts() -> frozenset[str]:
-    """Every user turn of the hand-written set, normalised (stream_prompts.normal): text
-    no training context may hold as a user turn."""
-    return frozenset(normal(text) for p in handwritten_held_out() for text in p.user_turns)
 
 
 def held_out_chat(count: int) -> list[str]:

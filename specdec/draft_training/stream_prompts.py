@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from specdec.draft_training.datagen import PROMPT_SETS, interleave_by_category
+from specdec.draft_training.handwritten import handwritten_texts, normal
 from specdec.draft_training.prompts import Prompt, split
 
 # (prefixes, temperature, max_new_tokens) -> sampled continuations, each cut after the
@@ -28,11 +29,6 @@ from specdec.draft_training.prompts import Prompt, split
 WriteTurns = Callable[[list[list[int]], float, int], list[list[int]]]
 KINDS = ("prompt-set", "magpie", "multi-turn")
 _SENTINELS = ("SPECDEC_FIRST_TURN", "SPECDEC_ANSWER", "SPECDEC_NEXT_TURN")
-
-
-def normal(text: str) -> str:
-    """Text compared up to case and spacing."""
-    return " ".join(text.lower().split())
 
 
 @functools.cache
@@ -105,7 +101,6 @@ class ConversationSource:
                  seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.4, 0.2),
                  max_context: int = 384, turn_tokens: int = 48, turn_temperature: float = 1.0,
                  remembered: int = 256) -> None:
-        from specdec.draft_training.heldout import handwritten_texts  # heldout imports this
 
         self.chat = ChatFormat(tokenizer)
         self.write_turns = write_turns
