@@ -184,12 +184,15 @@ def make_producer(name: str, target_dir: str, target: PreTrainedModel, draft_dir
         return MixedProducer([make_producer(part, target_dir, target, draft_dir, token_map, end,
                                             settings) for part in ("draft-written",
                                                                    "target-generate")])
-    if name == "target-runner":  # the target as the services load it: the tuned kernels
+    if name == "target-runner":
+        # The target as the services serve it by default (--dtype auto): int8 weights
+        # where the operator runs, the tuned kernels, every conversation in one forward.
         from specdec.engine.backends.cpu import load_causal_lm
         from specdec.engine.runner import ModelRunner
+        from specdec.settings import INT8_IF_AVAILABLE
 
         loaded = load_causal_lm(target_dir, torch.device("cpu"), torch.bfloat16,
-                                progress=False)
+                                progress=False, linear_kernel=INT8_IF_AVAILABLE)
         runner = ModelRunner(loaded.model, row_invariance=loaded.row_invariance)
         return TargetDecodingProducer(loaded.model, end, top_k=settings.top_k,
                                       max_new_tokens=settings.max_new_tokens,
