@@ -19,6 +19,7 @@ from specdec.settings import (
     add_setting,
     add_settings,
     default,
+    draft_dtype_for,
     env_name,
     linear_kernel_for,
 )
@@ -45,8 +46,7 @@ def draft_compile(args: argparse.Namespace | Any) -> str:
 def draft_precision(args: argparse.Namespace | Any) -> tuple[str, str]:
     """The draft's dtype setting ("auto" or a dtype) and linear kernel: its own settings,
     else the shared ones (args: flags, or anything with the same attributes)."""
-    setting = getattr(args, "draft_dtype", "") or "auto"
-    return (args.dtype if setting == "same" else setting,
+    return (draft_dtype_for(getattr(args, "draft_dtype", ""), args.dtype),
             getattr(args, "draft_linear_kernel", "")
             or linear_kernel_for(args.dtype, args.linear_kernel))
 

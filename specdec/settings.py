@@ -83,11 +83,33 @@ LINEAR_KERNELS = ("auto", "torch", "skinny", "onednn", "int8")
 # linear kernel, specdec.engine.int8) with everything else, activations included, in
 # bfloat16.
 INT8_DTYPE = "int8"
+# --dtype auto: int8 weights where the int8 operator runs (a CPU with a C++ compiler),
+# bfloat16 elsewhere; activations in bfloat16 either way.
+AUTO_DTYPE = "auto"
+# The linear kernel --dtype auto implies (resolved by specdec.engine.kernels.resolve_kernel
+# at load, where the device and the operator are known); not a --linear-kernel choice.
+INT8_IF_AVAILABLE = "int8-if-available"
 
 
 def linear_kernel_for(dtype_name: str, linear_kernel: str) -> str:
-    """The linear kernel a --dtype value implies: int8 for int8, else linear_kernel."""
-    return INT8_DTYPE if dtype_name.lower() == INT8_DTYPE else linear_kernel
+    """The linear kernel a --dtype value implies: int8 for int8; for auto, int8 where it
+    runs unless --linear-kernel names another; else linear_kernel."""
+    name = dtype_name.lower()
+    if name == INT8_DTYPE:
+        return INT8_DTYPE
+    if name == AUTO_DTYPE and linear_kernel == "auto":
+        return INT8_IF_AVAILABLE
+    return linear_kernel
+
+
+def draft_dtype_for(draft_dtype: str, dtype_name: str) -> str:
+    """The draft's dtype setting: --draft-dtype (empty: auto), where same is the target's
+    --dtype (auto's activations, bfloat16, with the linear kernel linear_kernel_for
+    gives)."""
+    setting = draft_dtype or "auto"
+    if setting != "same":
+        return setting
+    return "bfloat16" if dtype_name.lower() == AUTO_DTYPE else dtype_name
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 COMPILE_CHOICES = ("auto", "on", "off")
 # SpeculationParams.method: where a round's proposals come from (coordinator.validation).
@@ -106,8 +128,9 @@ _ALL = (
     Setting("draft-model", "specdec-draft",
             "draft model: the embedded trained draft, or any HF path or id", MODELS),
     Setting("device", "cpu", "torch device: cpu, cuda, cuda:N or auto", MODELS),
-    Setting("dtype", "bfloat16",
-            "model dtype: bfloat16, float32, float16, or int8 (int8 linear weights with "
+    Setting("dtype", AUTO_DTYPE,
+            "model dtype: auto (int8 on a CPU where the int8 operator builds, else "
+            "bfloat16), bfloat16, float32, float16, or int8 (int8 linear weights with "
             "bfloat16 activations; CPU)", MODELS),
     Setting("backend", "auto",
             "how models run: auto (cpu-tuned on CPU, torch elsewhere), cpu-tuned (the "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -102,7 +103,9 @@ def test_draft_precision_flags_reach_the_settings_and_the_cost_label(
     default = settings_from_args(parser.parse_args(["bench", "--dtype", "bfloat16"]))
     assert default.draft_precision == ("auto", "auto")
     same = settings_from_args(parser.parse_args(["bench", "--draft-dtype", "same"]))
-    assert same.draft_precision == (same.dtype, "auto")
+    assert same.dtype == "auto"  # int8 weights where the operator runs, with bf16 activations
+    assert same.draft_precision == ("bfloat16", "int8-if-available")
+    assert cost_label(same, replace(tiny_pair, draft_precision="")) == "auto@int8@rowwise"
     own = settings_from_args(parser.parse_args(
         ["bench", "--dtype", "bfloat16", "--draft-dtype", "float32",
          "--draft-linear-kernel", "torch"]))

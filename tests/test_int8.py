@@ -17,7 +17,7 @@ from specdec.engine.backends import select_backend
 from specdec.engine.kernels import apply_linear_kernel, resolve_kernel, row_invariant_rows
 from specdec.engine.models import parse_dtype
 from specdec.engine.runner import ModelRunner
-from specdec.settings import linear_kernel_for
+from specdec.settings import INT8_IF_AVAILABLE, linear_kernel_for
 
 CPU = torch.device("cpu")
 
@@ -122,6 +122,7 @@ def test_dtype_int8_names_the_int8_kernel_with_bfloat16_activations() -> None:
     assert parse_dtype("int8") == torch.bfloat16
     assert linear_kernel_for("int8", "auto") == "int8"
     assert linear_kernel_for("bfloat16", "auto") == "auto"
+    assert linear_kernel_for("auto", "onednn") == "onednn"  # a named kernel wins
     backend = select_backend(type("Args", (), {"dtype": "int8"})())
     assert backend.dtype == torch.bfloat16 and "linear int8" in backend.describe()
 
@@ -146,3 +147,47 @@ def test_a_build_failure_names_the_compiler_and_the_way_out(
     with pytest.raises(int8.Int8KernelError, match=r"install a C\+\+ compiler .* --dtype "
                                                    r"bfloat16"):
         int8.load_operator()
+
+
+def test_dtype_auto_serves_int8_on_a_cpu_where_the_operator_runs() -> None:
+    assert parse_dtype("auto") == torch.bfloat16
+    kernel = linear_kernel_for("auto", "auto")
+    assert kernel == INT8_IF_AVAILABLE
+    cpu = torch.device("cpu")
+    assert resolve_kernel(kernel, cpu, torch.bfloat16) == "int8"
+    # Where int8 cannot run, auto is the dtype's own kernel, not an error.
+    assert resolve_kernel(kernel, torch.device("cuda"), torch.bfloat16) == "torch"
+    assert resolve_kernel(kernel, cpu, torch.float32) == "skinny"
+    model = tiny_llama(vocab_size=64, hidden=64).to(torch.bfloat16)
+    assert apply_linear_kernel(model, kernel) == "int8"
+    assert any(isinstance(m, int8.Int8Linear) for m in model.modules())
+
+
+def test_dtype_auto_falls_back_to_bfloat16_and_says_why_when_the_build_fails(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Error building extension: g++: not found")
+
+    monkeypatch.setattr(int8, "_loaded", False)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    model = tiny_llama(vocab_size=64, hidden=64).to(torch.bfloat16)
+    with caplog.at_level("WARNING"):
+        assert apply_linear_kernel(model, INT8_IF_AVAILABLE) == "onednn"
+    assert "bfloat16 weights" in caplog.text and "g++: not found" in caplog.text
+    assert not any(isinstance(m, int8.Int8Linear) for m in model.modules())
+    with pytest.raises(int8.Int8KernelError):  # --dtype int8 asked for it: an error
+        apply_linear_kernel(tiny_llama(vocab_size=64, hidden=64).to(torch.bfloat16), "int8")
+
+
+def test_the_operator_compiles_into_a_torch_compile_graph() -> None:
+    """torch.compile traces the operator through its registered shape function."""
+    layer = int8.Int8Linear(_layer(96, 40))
+    inputs = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # the shape matters downstream
+        return layer(x).reshape(3, 2, 20).sum(-1)
+
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(inputs), forward(inputs))

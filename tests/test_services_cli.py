@@ -139,7 +139,9 @@ def test_draft_precision_settings_default_to_auto_and_follow_the_shared_ones(
         add_model_settings(parser)
         return parser.parse_args(argv)
 
-    assert draft_precision(parsed()) == ("auto", "auto")
+    assert draft_precision(parsed()) == ("auto", "int8-if-available")  # --dtype auto
+    assert draft_precision(parsed("--draft-dtype", "same")) == ("bfloat16",
+                                                                "int8-if-available")
     assert draft_precision(parsed("--draft-dtype", "same", "--dtype", "float32",
                                   "--linear-kernel", "torch")) == ("float32", "torch")
     monkeypatch.setenv("SPECDEC_DRAFT_DTYPE", "float32")

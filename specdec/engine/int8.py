@@ -101,7 +101,8 @@ def load_operator() -> None:
 
 def _fake_int8_linear(input: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                       offsets: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return input.new_empty((*input.shape[:-1], codes.shape[0]))
+    # int8_pack's codes: [out / BLOCK, in / GROUP, BLOCK, GROUP]
+    return input.new_empty((*input.shape[:-1], codes.shape[0] * BLOCK))
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.settings import INT8_IF_AVAILABLE
+
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "skinny", "onednn", "int8")
@@ -115,6 +117,8 @@ def onednn_available() -> bool:
 
 
 def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
+    if kernel == INT8_IF_AVAILABLE:
+        return INT8 if int8_runs(device, dtype) else resolve_kernel("auto", device, dtype)
     if kernel not in KERNELS:
         raise ValueError(f"unknown linear kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     if kernel == "auto":
@@ -131,6 +135,21 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
         raise ValueError("linear kernel 'onednn' needs a torch build with oneDNN (mkldnn); "
                          "choose skinny or torch")
     return kernel
+
+
+def int8_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the int8 kernel serves here: a CPU, bfloat16 activations, and an operator
+    that builds (a C++ compiler); a failed build is logged with its cause."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    from specdec.engine.int8 import Int8KernelError, load_operator
+
+    try:
+        load_operator()
+    except Int8KernelError as error:
+        log.warning("--dtype auto: bfloat16 weights, as %s", error)
+        return False
+    return True
 
 
 def apply_linear_kernel(model: nn.Module, kernel: str) -> str:

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from specdec.engine.token_map import has_token_map, read_token_map
-from specdec.settings import INT8_DTYPE, SETTINGS, default
+from specdec.settings import AUTO_DTYPE, INT8_DTYPE, SETTINGS, default
 
 if TYPE_CHECKING:
     from specdec.engine.eagle3 import Eagle3DraftForCausalLM
@@ -53,12 +53,12 @@ def model_cache_dir() -> Path:
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          INT8_DTYPE: torch.bfloat16}
+          INT8_DTYPE: torch.bfloat16, AUTO_DTYPE: torch.bfloat16}
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """The tensor dtype a --dtype value computes in (int8: bfloat16 activations; its
-    weights come from linear_kernel_for)."""
+    """The tensor dtype a --dtype value computes in (int8 and auto: bfloat16 activations;
+    their weights come from linear_kernel_for)."""
     try:
         return DTYPES[name.lower()]
     except KeyError:

@@ -23,7 +23,7 @@ from specdec.engine.backends.base import Backend, DraftChoice
 from specdec.engine.backends.cpu import CpuTunedBackend, load_causal_lm
 from specdec.engine.backends.stock import TorchBackend
 from specdec.engine.models import parse_device, parse_dtype
-from specdec.settings import BACKENDS, default, linear_kernel_for
+from specdec.settings import BACKENDS, default, draft_dtype_for, linear_kernel_for
 
 __all__ = ["Backend", "CpuTunedBackend", "DraftChoice", "TorchBackend", "backend_name",
            "load_causal_lm", "select_backend"]
@@ -60,11 +60,10 @@ def select_backend(args: Any) -> Backend:
             log.warning("the torch backend uses stock kernels and ignores %s",
                         ", ".join(changed))
         return TorchBackend(device, dtype)
-    draft_dtype = get("draft_dtype") or "auto"
     linear_kernel = linear_kernel_for(get("dtype"), get("linear_kernel"))
     return CpuTunedBackend(
         device, dtype, linear_kernel=linear_kernel,
         attention_kernel=get("attention_kernel"),
-        draft_dtype=get("dtype") if draft_dtype == "same" else draft_dtype,
+        draft_dtype=draft_dtype_for(get("draft_dtype"), get("dtype")),
         draft_linear_kernel=get("draft_linear_kernel") or linear_kernel,
         draft_compile=get("draft_compile") or "auto", torch_threads=get("torch_threads"))
