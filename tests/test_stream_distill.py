@@ -42,10 +42,13 @@ from specdec.draft_training.wide_prompts import generate_wide_prompts
 from specdec.engine.runner import ModelRunner
 from tests.tiny_models import assert_speculative_greedy_equals_hf, save_tiny_pair
 
-# A run of a few seconds on the tiny models, checkpointing every second.
+# A run of a few seconds on the tiny models, checkpointing every second. Prompt-set
+# contexts only: the tiny random target's written turns never end, so the source refuses
+# them all.
 QUICK_RUN = StreamSettings(time_budget_s=3.0, train_batch=2, produce_batch=3, max_new_tokens=6,
                            top_k=4, lr=1e-3, queue_size=4, checkpoint_every_s=1.0,
-                           progress_every_s=1.0, held_out_prompts=2, held_out_tokens=4)
+                           progress_every_s=1.0, held_out_prompts=2, held_out_tokens=4,
+                           mix=(1.0, 0.0, 0.0))
 
 
 @functools.cache
@@ -201,6 +204,46 @@ def test_held_out_and_bench_prompts_never_become_a_user_turn(tiny: tuple[Path, P
     assert kinds == {"prompt-set", "magpie", "multi-turn"}
 
 
+def test_a_refused_written_turn_leaves_its_context_out(tiny: tuple[Path, Path]) -> None:
+    target_dir, _ = tiny
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    chat = ChatFormat(tokenizer)
+
+    def unended(prefixes: list[list[int]], temperature: float, n: int) -> list[list[int]]:
+        return [chat.encode("Tell me how tides work and") for _ in prefixes]  # cut short
+
+    written_only = ConversationSource(tokenizer, unended, mix=(0.0, 1.0, 0.0))
+    assert written_only.next_batch(8) == [] and written_only.dropped_turns == 8
+    mixed = ConversationSource(tokenizer, unended, mix=(0.5, 0.5, 0.0))
+    contexts = [c for _ in range(4) for c in mixed.next_batch(8)]
+    # the prompt sets keep their share of the draws, not the refused turns' as well
+    assert {c.kind for c in contexts} == {"prompt-set"}
+    assert len(contexts) + mixed.dropped_turns == 32 and mixed.dropped_turns > 0
+
+
+def test_the_default_mix_expects_user_like_contexts_to_label_most_tokens() -> None:
+    # Labelled tokens per unit of weight, from the committed draft's card: 63/26/11 % of
+    # its tokens from prompt-set/magpie/multi-turn contexts at weights 0.4/0.4/0.2.
+    per_weight = (0.63 / 0.4, 0.26 / 0.4, 0.11 / 0.2)
+    tokens = [w * y for w, y in zip(StreamSettings().mix, per_weight, strict=True)]
+    assert (tokens[1] + tokens[2]) / sum(tokens) > 0.6
+
+
+def test_the_stream_mix_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from specdec.cli import build_parser
+    from specdec.commands.train_draft import stream_settings
+
+    parser = build_parser("train-draft")
+    assert stream_settings(parser.parse_args(["train-draft"])).mix == StreamSettings().mix
+    chosen = parser.parse_args(["train-draft", "--stream-mix", "0,1,0.5"])
+    assert stream_settings(chosen).mix == (0.0, 1.0, 0.5)
+    for wrong in ("1,2", "1,-1,1", "0,0,0", "a,b,c", "1,inf,1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["train-draft", "--stream-mix", wrong])
+        assert f"argument --stream-mix: '{wrong}' is not three non-negative weights" in (
+            capsys.readouterr().err)
+
+
 def test_a_stream_run_writes_the_curve_and_the_next_run_resumes(
         tiny: tuple[Path, Path], tmp_path: Path) -> None:
     target_dir, draft_dir = tiny
@@ -237,7 +280,7 @@ def test_a_new_draft_for_a_target_without_one(tiny: tuple[Path, Path], tmp_path:
     from specdec.draft_training.train import load_draft
 
     target_dir, _ = tiny
-    settings = StreamSettings(produce_batch=3, max_new_tokens=5, top_k=4)
+    settings = replace(QUICK_RUN, max_new_tokens=5)  # prompt-set contexts (QUICK_RUN)
     made = new_draft(str(target_dir), tmp_path / "new", settings, vocab_size=40, num_layers=1,
                      batches=2)
     draft, token_map = load_draft(made)
@@ -264,6 +307,7 @@ def test_the_stream_card_puts_both_drafts_evaluations_side_by_side(tmp_path: Pat
 
     summary = {"progress": {"tokens": 10, "records": 2, "step": 1, "elapsed_s": 60.0},
                "settings": settings, "tokens_per_s_this_run": 5.0, "device_name": "one GPU",
+               "produced_by_kind": {"prompt-set": 40, "magpie": 45, "multi-turn": 15},
                "curve": [{"tokens": 0, "top1_agreement": 0.4, "expected_acceptance": 0.3,
                           "positions": 9}, {"tokens": 10, "top1_agreement": 0.5,
                                             "expected_acceptance": 0.4, "positions": 9}]}
@@ -271,6 +315,8 @@ def test_the_stream_card_puts_both_drafts_evaluations_side_by_side(tmp_path: Pat
     card = (tmp_path / "README.md").read_text()
     assert "| wide | 0 | 4 | 0.500 -> 0.600 | 0.250 -> 0.300 | 1.50 -> 1.60 | yes |" in card
     assert "old table" not in card and "- costs" in card and "1.0 min on one GPU" in card
+    assert ("contexts: magpie 45%, multi-turn 15%, prompt-set 40%, user-like (magpie + "
+            "multi-turn) 60% (labelled tokens)") in card
     assert f"`{stream_command(settings)}`" in card and "--device cuda" in card
     assert "eval card" not in card  # `card` would rewrite it as a staged pipeline's card
     assert f"\n{stream_command(settings)} --stream-from STARTING_DRAFT\n" in card

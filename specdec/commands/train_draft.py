@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.config import add_setting
 from specdec.engine import models
 from specdec.settings import SETTINGS, default
+
+if TYPE_CHECKING:
+    from specdec.draft_training.stream_settings import StreamSettings
 
 STAGES = ("data", "train", "eval", "card")
 ASSET_DIR = models.DRAFT_DIR
@@ -65,6 +70,10 @@ def add_stream_settings(parser: argparse.ArgumentParser) -> None:
     add_setting(group, "--producer", defaults.producer, "what writes the text the target "
                 "labels", choices=PRODUCERS)
     add_setting(group, "--stream-lr", defaults.lr, "peak learning rate", type=float)
+    add_setting(group, "--stream-mix", ",".join(f"{w:g}" for w in defaults.mix),
+                "weights of the contexts' kinds: user turns from the prompt sets, turns "
+                "the target writes (Magpie), further turns on finished conversations",
+                type=_mix, metavar="PROMPT_SET,MAGPIE,MULTI_TURN")
     add_setting(group, "--stream-draft-kind", defaults.draft_kind,
                 "token: a draft that reads tokens only; eagle3: a one-layer EAGLE-3 draft "
                 "that reads the target's layer states (written in the speculators layout; "
@@ -91,6 +100,19 @@ def add_stream_settings(parser: argparse.ArgumentParser) -> None:
                 type=float)
     group.add_argument("--measure-producers", action="store_true",
                        help="print each producer's labelled tokens/s and exit")
+
+
+def _mix(text: str) -> tuple[float, float, float]:
+    try:
+        weights = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        weights = ()
+    if (len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or not sum(weights) > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not three non-negative weights PROMPT_SET,MAGPIE,MULTI_TURN with a "
+            "positive sum (e.g. 0.15,0.55,0.3)")
+    return weights[0], weights[1], weights[2]
 
 
 def add_data_settings(parser: argparse.ArgumentParser, out_dir: Path) -> None:
@@ -171,19 +193,24 @@ def evaluate_draft(target_dir: str, draft_dir: Path, num_prompts: int) -> dict:
     return evaluate(draft_runner, target_runner, target.tokenizer, num_prompts=num_prompts)
 
 
-def run_stream(args: argparse.Namespace, target_dir: str, work_dir: Path) -> int:
-    from dataclasses import replace
-
-    from specdec.bench.workloads import bench_texts
-    from specdec.draft_training.stream import measure, new_draft, stream_distill
+def stream_settings(args: argparse.Namespace) -> StreamSettings:
+    """The streaming run the command's flags describe."""
     from specdec.draft_training.stream_settings import StreamSettings
 
-    settings = replace(StreamSettings(), time_budget_s=args.time_budget_min * 60,
-                       producer=args.producer, lr=args.stream_lr, device=args.device,
-                       produce_batch=args.stream_produce_batch,
-                       train_batch=args.stream_train_batch, passes=args.stream_passes,
-                       checkpoint_every_s=args.stream_checkpoint_every_s,
-                       draft_kind=args.stream_draft_kind, ttt_steps=args.stream_ttt_steps)
+    return StreamSettings(time_budget_s=args.time_budget_min * 60, producer=args.producer,
+                          lr=args.stream_lr, device=args.device,
+                          produce_batch=args.stream_produce_batch,
+                          train_batch=args.stream_train_batch, passes=args.stream_passes,
+                          checkpoint_every_s=args.stream_checkpoint_every_s,
+                          draft_kind=args.stream_draft_kind, ttt_steps=args.stream_ttt_steps,
+                          mix=args.stream_mix)
+
+
+def run_stream(args: argparse.Namespace, target_dir: str, work_dir: Path) -> int:
+    from specdec.bench.workloads import bench_texts
+    from specdec.draft_training.stream import measure, new_draft, stream_distill
+
+    settings = stream_settings(args)
     bench = bench_texts()  # every bench workload's messages: never a training turn
     start = (new_draft(target_dir, work_dir / "initial-draft", settings,
                        vocab_size=args.draft_vocab, num_layers=args.draft_layers)

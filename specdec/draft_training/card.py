@@ -235,6 +235,8 @@ def stream_command(settings: dict) -> str:
              ("--stream-produce-batch", settings["produce_batch"]),
              ("--stream-train-batch", settings["train_batch"]),
              ("--stream-passes", settings["passes"]), ("--stream-lr", f"{settings['lr']:g}"),
+             *([("--stream-mix", ",".join(f"{w:g}" for w in settings["mix"]))]
+               if "mix" in settings else []),
              ("--stream-checkpoint-every-s", f"{settings['checkpoint_every_s']:g}"),
              ("--time-budget-min", f"{settings['time_budget_s'] / 60:g}")]
     return "specdec train-draft --stream " + " ".join(f"{flag} {value}" for flag, value in flags)
@@ -256,6 +258,7 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
     kinds = summary.get("produced_by_kind", {})
     total = max(1, sum(kinds.values()))
     mix = ", ".join(f"{kind} {count / total:.0%}" for kind, count in sorted(kinds.items()))
+    user_like = (kinds.get("magpie", 0) + kinds.get("multi-turn", 0)) / total
     temperatures = ", ".join(f"{t:g}" for t in settings["temperatures"])
     stage = [
         "",
@@ -264,8 +267,8 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
         f"- {progress['tokens']:,} target-labelled tokens in {progress['records']:,} "
         f"contexts, written by the {settings['producer']} producer and labelled by "
         f"{summary.get('target', 'the target')} (bfloat16) with its top-"
-        f"{settings['top_k']} distribution; contexts: {mix} (labelled tokens); "
-        f"temperatures {temperatures} in turn.",
+        f"{settings['top_k']} distribution; contexts: {mix}, user-like (magpie + multi-turn) "
+        f"{user_like:.0%} (labelled tokens); temperatures {temperatures} in turn.",
         f"- {progress['step']:,} optimiser steps of {settings['train_batch']} contexts (peak "
         f"learning rate {settings['lr']:g}, each context used at most {settings['passes']} "
         f"times), {progress['elapsed_s'] / 60:.1f} min on "

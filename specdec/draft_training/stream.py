@@ -58,7 +58,7 @@ from specdec.draft_training.producers import (
     TargetWriter,
     measure_producers,
 )
-from specdec.draft_training.stream_prompts import ChatFormat, ConversationSource
+from specdec.draft_training.stream_prompts import ChatFormat, Context, ConversationSource
 from specdec.draft_training.stream_settings import PRODUCERS, StreamSettings
 from specdec.draft_training.train import (
     Record,
@@ -135,6 +135,8 @@ class ProducerThread(threading.Thread):
                 torch.manual_seed(self.settings.seed * 1_000_003 + self.batch_index)
                 self.batch_index += 1
                 contexts = self.source.next_batch(self.settings.produce_batch)
+                if not contexts:  # every written turn of the batch was refused
+                    continue
                 for record in self.producer.produce(contexts, temperature):
                     self.source.remember(record["prompt_ids"].tolist(),
                                          record["new_ids"].tolist())
@@ -243,12 +245,17 @@ def new_draft(target_dir: str, out_dir: Path, settings: StreamSettings, *, vocab
     target = load_target(target_dir, parse_device(settings.device))
     chat = ChatFormat(tokenizer)
     source = ConversationSource(tokenizer, TargetWriter(target, chat.end_of_turn),
-                                seed=settings.seed)
+                                seed=settings.seed, mix=settings.mix)
     producer = TargetDecodingProducer(target, chat.end_of_turn, top_k=settings.top_k,
                                       max_new_tokens=settings.max_new_tokens)
-    records = [record for index in range(batches)
+    size = settings.produce_batch
+    contexts: list[Context] = []
+    for _ in range(4 * batches):  # refused written turns leave a batch short
+        if len(contexts) < batches * size:
+            contexts += source.next_batch(size)
+    records = [record for index in range(min(batches, math.ceil(len(contexts) / size)))
                for record in producer.produce(
-                   source.next_batch(settings.produce_batch),
+                   contexts[index * size: (index + 1) * size],
                    settings.temperatures[index % len(settings.temperatures)])]
     always = sorted({chat.end_of_turn, *chat.user_prefix, *chat.assistant_prefix})
     token_map = build_token_map(records, vocab_size, always)
@@ -310,7 +317,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     if not curve:
         _record_point(curve, curve_path, draft, measure, progress, float("nan"))
     source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded or (),
-                                seed=settings.seed + progress.batches,
+                                seed=settings.seed + progress.batches, mix=settings.mix,
                                 max_context=settings.max_context)
     # at least two producer batches, so the producer never waits on a whole batch
     records: queue.Queue[Record] = queue.Queue(

@@ -93,14 +93,16 @@ class ChatFormat:
 
 
 class ConversationSource:
-    """Contexts in the proportions of `mix` (prompt-set, magpie, multi-turn); written turns
-    come from `write_turns` (the target sampling). Finished conversations handed to
-    `remember` are continued later, one more turn each."""
+    """Contexts drawn in the proportions of `mix` (weights of prompt-set, magpie and
+    multi-turn); written turns come from `write_turns` (the target sampling). A refused
+    written turn leaves its context out rather than filling it with a prompt-set turn,
+    so the prompt sets' share never grows past their weight. Finished conversations
+    handed to `remember` are continued later, one more turn each."""
 
-    def __init__(self, tokenizer, write_turns: WriteTurns, *, excluded: Iterable[str] = (),
-                 seed: int = 0, mix: tuple[float, float, float] = (0.4, 0.4, 0.2),
-                 max_context: int = 384, turn_tokens: int = 48, turn_temperature: float = 1.0,
-                 remembered: int = 256) -> None:
+    def __init__(self, tokenizer, write_turns: WriteTurns, *,
+                 mix: tuple[float, float, float], excluded: Iterable[str] = (),
+                 seed: int = 0, max_context: int = 384, turn_tokens: int = 48,
+                 turn_temperature: float = 1.0, remembered: int = 256) -> None:
 
         self.chat = ChatFormat(tokenizer)
         self.write_turns = write_turns
@@ -131,6 +133,7 @@ class ConversationSource:
             self.finished.append(ids)
 
     def next_batch(self, size: int) -> list[Context]:
+        """`size` contexts drawn by `mix`, less those whose written turn was refused."""
         counts = [0, 0, 0]
         for _ in range(size):
             counts[self.rng.choices(range(3), weights=self.mix)[0]] += 1
@@ -144,8 +147,6 @@ class ConversationSource:
                                       strict=True):
             if turn is not None:
                 contexts.append(Context(kind, prefix + turn + self.chat.assistant_prefix))
-        while len(contexts) < size:  # refused written turns: prompt-set turns instead
-            contexts.append(Context("prompt-set", self._prompt_set_turn()))
         return contexts
 
     def _prompt_set_turn(self) -> list[int]:
