@@ -84,10 +84,14 @@ def test_the_stream_drops_every_context_holding_a_handwritten_turn(
     monkeypatch.setattr(stream_prompts, "held_out_texts", frozenset)
     monkeypatch.setattr(stream_prompts, "training_prompts",
                         lambda seed: [*mangled, allowed, *handwritten])
+    # written turns no two of which are near-duplicates (stream_prompts.RecentTurns)
+    written = [f"How long should I let {dough} dough rise in a {room}?"
+               for dough in ("bread", "pizza", "bagel", "brioche", "focaccia", "pretzel")
+               for room in ("cold kitchen", "warm oven", "damp cellar", "sunny window")]
     rng = random.Random(0)
 
     def write_turns(prefixes: list[list[int]], temperature: float, n: int) -> list[list[int]]:
-        return [chat.encode(rng.choice(mangled) if rng.random() < 0.5 else allowed)
+        return [chat.encode(rng.choice(mangled) if rng.random() < 0.5 else rng.choice(written))
                 + [chat.end_of_turn] for _ in prefixes]
 
     source = ConversationSource(tokenizer, write_turns, mix=(0.4, 0.4, 0.2))

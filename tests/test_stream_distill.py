@@ -32,10 +32,13 @@ from specdec.draft_training.stream import (
     stream_distill,
 )
 from specdec.draft_training.stream_prompts import (
+    NEAR_DUPLICATE,
     ChatFormat,
     Context,
     ConversationSource,
+    RecentTurns,
     normal,
+    similarity,
 )
 from specdec.draft_training.train import make_draft
 from specdec.draft_training.wide_prompts import generate_wide_prompts
@@ -49,6 +52,11 @@ QUICK_RUN = StreamSettings(time_budget_s=3.0, train_batch=2, produce_batch=3, ma
                            top_k=4, lr=1e-3, queue_size=4, checkpoint_every_s=1.0,
                            progress_every_s=1.0, held_out_prompts=2, held_out_tokens=4,
                            mix=(1.0, 0.0, 0.0))
+
+
+# Written user turns no two of which are near-duplicates (stream_prompts.RecentTurns).
+DISTINCT_TURNS = [f"How do I {verb} a {thing}?" for verb in ("fold", "paint", "fix", "clean")
+                  for thing in ("kite", "bicycle", "lamp", "chair", "boat", "fence")]
 
 
 @functools.cache
@@ -176,14 +184,14 @@ def test_held_out_and_bench_prompts_never_become_a_user_turn(tiny: tuple[Path, P
     held_out = sorted(stream_prompts.held_out_texts())
     bench = bench_texts()
     forbidden = held_out[:3] + bench[:2] + bench[-2:]
-    allowed = "How do I fold a paper crane?"
-    written = [f"  {t.upper()} " for t in forbidden] + [allowed]
+    allowed = DISTINCT_TURNS
+    written = [f"  {t.upper()} " for t in forbidden]
 
     rng = random.Random(0)
 
     def write_turns(prefixes: list[list[int]], temperature: float, n: int) -> list[list[int]]:
-        # half the written turns are excluded text, half the allowed one
-        return [chat.encode(rng.choice(written[:-1]) if rng.random() < 0.5 else allowed)
+        # half the written turns are excluded text, half allowed ones
+        return [chat.encode(rng.choice(written) if rng.random() < 0.5 else rng.choice(allowed))
                 + [chat.end_of_turn] for _ in prefixes]
 
     source = ConversationSource(tokenizer, write_turns, excluded=bench, mix=(0.3, 0.5, 0.2))
@@ -199,9 +207,54 @@ def test_held_out_and_bench_prompts_never_become_a_user_turn(tiny: tuple[Path, P
                       for turn in text.split("<|im_start|>user\n")[1:]]
             source.remember(context.prompt_ids, chat.encode("Sure.") + [chat.end_of_turn])
     assert source.dropped_turns > 0
-    assert normal(allowed) in {normal(t) for t in turns}
+    assert {normal(t) for t in allowed} & {normal(t) for t in turns}
     assert not [t for t in turns if normal(t) in excluded]
     assert kinds == {"prompt-set", "magpie", "multi-turn"}
+
+
+def test_a_reworded_near_copy_is_a_near_duplicate_and_another_prompt_is_not() -> None:
+    turn = "Can you give me some tips for staying focused while working from home?"
+    reworded = "could you give me some tips for staying focused while working from home"
+    other = "Can you give me some tips for a weekend trip to Rome with two kids?"
+    assert similarity(turn, reworded) >= NEAR_DUPLICATE > similarity(turn, other)
+    assert all(similarity(a, b) < NEAR_DUPLICATE
+               for i, a in enumerate(DISTINCT_TURNS) for b in DISTINCT_TURNS[i + 1:])
+    recent = RecentTurns()
+    assert recent.keep(turn) and not recent.keep(reworded) and recent.keep(other)
+    assert not recent.keep(f"  {turn.upper()}")
+    # near-duplicates of the last `size` kept turns, equal text of the last `exact`
+    window = RecentTurns(size=1, exact=3)
+    assert window.keep(turn) and window.keep(other)
+    assert not window.keep(turn) and window.keep(reworded)
+    assert window.keep(DISTINCT_TURNS[0]) and window.keep(DISTINCT_TURNS[1])
+    assert window.keep(turn)  # past both windows
+
+
+def test_the_source_drops_a_repeated_written_turn(tiny: tuple[Path, Path]) -> None:
+    target_dir, _ = tiny
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    chat = ChatFormat(tokenizer)
+    repeated = ["How do I keep basil alive on a windowsill?",
+                "how do I keep basil alive on a windowsill",
+                "So how do I keep basil alive on a windowsill?"]
+    distinct = DISTINCT_TURNS[:3]
+    rng = random.Random(0)
+
+    def write_turns(prefixes: list[list[int]], temperature: float, n: int) -> list[list[int]]:
+        return [chat.encode(rng.choice(repeated + distinct)) + [chat.end_of_turn]
+                for _ in prefixes]
+
+    source = ConversationSource(tokenizer, write_turns, mix=(0.0, 0.6, 0.4))
+    written: list[str] = []
+    for _ in range(6):
+        for context in source.next_batch(8):
+            user_turns = tokenizer.decode(context.prompt_ids).split("<|im_start|>user\n")[1:]
+            written.append(user_turns[-1].split("<|im_end|>")[0].strip())
+            source.remember(context.prompt_ids, chat.encode("Sure.") + [chat.end_of_turn])
+    # the basil question once, in whichever wording came first, and each other turn once
+    assert len(written) == len(set(written)) == 4 == source.written_turns
+    assert sum(t in repeated for t in written) == 1 and set(distinct) <= set(written)
+    assert source.near_duplicates == 6 * 8 - 4 and source.dropped_turns == 0
 
 
 def test_a_refused_written_turn_leaves_its_context_out(tiny: tuple[Path, Path]) -> None:
@@ -308,6 +361,7 @@ def test_the_stream_card_puts_both_drafts_evaluations_side_by_side(tmp_path: Pat
     summary = {"progress": {"tokens": 10, "records": 2, "step": 1, "elapsed_s": 60.0},
                "settings": settings, "tokens_per_s_this_run": 5.0, "device_name": "one GPU",
                "produced_by_kind": {"prompt-set": 40, "magpie": 45, "multi-turn": 15},
+               "written_turns": 1200, "dropped_written_turns": 300, "near_duplicate_turns": 90,
                "curve": [{"tokens": 0, "top1_agreement": 0.4, "expected_acceptance": 0.3,
                           "positions": 9}, {"tokens": 10, "top1_agreement": 0.5,
                                             "expected_acceptance": 0.4, "positions": 9}]}
@@ -317,6 +371,8 @@ def test_the_stream_card_puts_both_drafts_evaluations_side_by_side(tmp_path: Pat
     assert "old table" not in card and "- costs" in card and "1.0 min on one GPU" in card
     assert ("contexts: magpie 45%, multi-turn 15%, prompt-set 40%, user-like (magpie + "
             "multi-turn) 60% (labelled tokens)") in card
+    assert ("1,200 kept, 300 refused (cut short, empty or held-out text), 90 dropped as "
+            "near-duplicates") in card
     assert f"`{stream_command(settings)}`" in card and "--device cuda" in card
     assert "eval card" not in card  # `card` would rewrite it as a staged pipeline's card
     assert f"\n{stream_command(settings)} --stream-from STARTING_DRAFT\n" in card

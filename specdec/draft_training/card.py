@@ -274,6 +274,11 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
         f"times), {progress['elapsed_s'] / 60:.1f} min on "
         f"{summary.get('device_name', '2 shared CPU cores')} "
         f"({summary['tokens_per_s_this_run']:.0f} labelled tokens/s in the last run).",
+        *([f"- User turns the target wrote in the last run: {summary['written_turns']:,} "
+            f"kept, {summary['dropped_written_turns']:,} refused (cut short, empty or "
+            f"held-out text), {summary['near_duplicate_turns']:,} dropped as "
+            "near-duplicates of a recent one (word 3-gram Jaccard similarity)."]
+          if "near_duplicate_turns" in summary else []),
         f"- Command: `{stream_command(settings)}`.",
     ]
     count = settings["held_out_prompts"]

@@ -387,7 +387,9 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
                "run_s": round(elapsed, 1), "run_tokens": run_tokens,
                "tokens_per_s_this_run": round(run_tokens / max(elapsed, 1e-9), 1),
                "produced_by_kind": dict(producer.produced),
+               "written_turns": source.written_turns,
                "dropped_written_turns": source.dropped_turns,
+               "near_duplicate_turns": source.near_duplicates,
                "init_draft": str(init_draft), "target": Path(target_dir).name,
                "device_name": device_name(device), "curve": curve}
     (work_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))

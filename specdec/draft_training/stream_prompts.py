@@ -10,13 +10,17 @@ Three kinds of context, mixed in every batch:
 The user turns of the hand-written held-out set (heldout.py), the held-out prompts of
 both prompt sets and any excluded text (the bench prompts, given by the caller) never
 become a user turn: a turn equal to one, up to case and spacing, is dropped.
+
+Sampling the user turn from the same prefix repeats itself, so a written turn that is a
+near-duplicate of a recently kept one (RecentTurns) is dropped too.
 """
 
 from __future__ import annotations
 
 import functools
 import random
-from collections import deque
+import re
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -29,6 +33,70 @@ from specdec.draft_training.prompts import Prompt, split
 WriteTurns = Callable[[list[list[int]], float, int], list[list[int]]]
 KINDS = ("prompt-set", "magpie", "multi-turn")
 _SENTINELS = ("SPECDEC_FIRST_TURN", "SPECDEC_ANSWER", "SPECDEC_NEXT_TURN")
+# Two turns whose word 3-gram sets have a Jaccard similarity of at least this are one
+# turn reworded: a changed word at either end of a dozen-word turn stays above it, a
+# changed word in the middle or a different question falls below.
+NEAR_DUPLICATE = 0.7
+RECENT_TURNS = 4096  # kept written turns a new one is compared with
+EXACT_TURNS = 65536  # kept written turns a new one may not equal (up to case and spacing)
+Shingle = tuple[str, ...]
+
+
+def shingles(text: str, n: int = 3) -> frozenset[Shingle]:
+    """The word n-grams of `text` up to case, spacing and punctuation; a text of fewer
+    than n words is its one shingle."""
+    words = re.findall(r"\w+", normal(text))
+    if len(words) < n:
+        return frozenset({tuple(words)})
+    return frozenset(tuple(words[i: i + n]) for i in range(len(words) - n + 1))
+
+
+def similarity(a: str, b: str) -> float:
+    """Jaccard similarity of the two texts' shingles."""
+    first, second = shingles(a), shingles(b)
+    return len(first & second) / len(first | second)
+
+
+class RecentTurns:
+    """The shingles of the last `size` kept turns, indexed by shingle so that a new turn
+    is compared only with the kept turns it shares one with; and the last `exact` kept
+    turns, normalised."""
+
+    def __init__(self, size: int = RECENT_TURNS, exact: int = EXACT_TURNS,
+                 threshold: float = NEAR_DUPLICATE) -> None:
+        self.size, self.threshold = size, threshold
+        self.kept: deque[tuple[int, frozenset[Shingle]]] = deque()
+        self.holding: dict[Shingle, set[int]] = {}  # shingle -> kept turns holding it
+        self.counts: dict[int, int] = {}  # kept turn -> its number of shingles
+        self.added = 0
+        self.exact: deque[str] = deque(maxlen=exact)
+        self.exact_set: set[str] = set()
+
+    def keep(self, text: str) -> bool:
+        """Keep `text` unless it equals or nearly duplicates a kept turn; whether kept."""
+        key, mine = normal(text), shingles(text)
+        shared = Counter(turn for s in mine for turn in self.holding.get(s, ()))
+        if key in self.exact_set or any(
+                n / (len(mine) + self.counts[turn] - n) >= self.threshold
+                for turn, n in shared.items()):
+            return False
+        if len(self.exact) == self.exact.maxlen:
+            self.exact_set.discard(self.exact[0])
+        self.exact.append(key)
+        self.exact_set.add(key)
+        turn, self.added = self.added, self.added + 1
+        self.kept.append((turn, mine))
+        self.counts[turn] = len(mine)
+        for s in mine:
+            self.holding.setdefault(s, set()).add(turn)
+        if len(self.kept) > self.size:
+            old, old_shingles = self.kept.popleft()
+            del self.counts[old]
+            for s in old_shingles:
+                self.holding[s].discard(old)
+                if not self.holding[s]:
+                    del self.holding[s]
+        return True
 
 
 @functools.cache
@@ -115,7 +183,10 @@ class ConversationSource:
         self.turn_temperature = turn_temperature
         self.finished: deque[list[int]] = deque(maxlen=remembered)
         self._prompts = self._cycle(training_prompts(seed))
+        self.recent = RecentTurns()
         self.dropped_turns = 0  # written turns refused: excluded, cut short or empty
+        self.near_duplicates = 0  # written turns dropped as near-duplicates (RecentTurns)
+        self.written_turns = 0  # written turns kept
 
     @staticmethod
     def _cycle(texts: list[str]) -> Iterator[str]:
@@ -157,7 +228,7 @@ class ConversationSource:
 
     def _written_turns(self, prefixes: list[list[int]]) -> list[list[int] | None]:
         """Each prefix's written user turn without its end-of-turn token, or None where
-        the turn is refused."""
+        the turn is refused or nearly repeats a kept one."""
         if not prefixes:
             return []
         sampled = self.write_turns(prefixes, self.turn_temperature, self.turn_tokens)
@@ -165,9 +236,13 @@ class ConversationSource:
         for ids in sampled:
             text = self.chat.tokenizer.decode(ids[:-1]).strip()
             ended = ids[-1:] == [self.chat.end_of_turn]
-            if ended and len(ids) > 3 and text and self.allowed(text):
-                turns.append(ids[:-1])
-            else:
+            if not (ended and len(ids) > 3 and text and self.allowed(text)):
                 self.dropped_turns += 1
                 turns.append(None)
+            elif not self.recent.keep(text):
+                self.near_duplicates += 1
+                turns.append(None)
+            else:
+                self.written_turns += 1
+                turns.append(ids[:-1])
         return turns
