@@ -84,7 +84,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     draft.save_pretrained(root / "draft")
     (root / "draft" / "token_map.json").write_text(json.dumps({"target_ids": token_map}))
     (root / "draft" / "README.md").write_text(
-        "# a draft\n\n## Training data\n- stage one\n\n## Evaluation (old)\n| table |\n")
+        "# a draft\n\n## Training data\n- stage one\n\n## Evaluation (old)\n| table |\n\n"
+        "## Reproduce\n```\nspecdec train-draft eval card  # re-measure\n```\n")
     return target, root / "draft"
 
 
@@ -326,6 +327,62 @@ def test_a_stream_run_writes_the_curve_and_the_next_run_resumes(
     assert second["progress"]["tokens"] > first["progress"]["tokens"]
     resumed = json.loads((work / CURVE_FILE).read_text())
     assert resumed[:len(curve)] == curve and len(resumed) > len(curve)
+
+
+def test_a_run_from_a_streamed_draft_continues_its_curve_in_a_new_work_dir(
+        tiny: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target_dir, draft_dir = tiny
+    first = stream_distill(str(target_dir), draft_dir, tmp_path / "work", tmp_path / "out",
+                           QUICK_RUN)
+    committed = json.loads((tmp_path / "out" / CURVE_FILE).read_text())
+    capsys.readouterr()
+    # another machine: the committed draft directory only, no checkpoint
+    second = stream_distill(str(target_dir), tmp_path / "out", tmp_path / "new-work",
+                            tmp_path / "new-out", QUICK_RUN)
+    assert (f"continuing the committed curve at {committed[-1]['tokens']:,} tokens, step "
+            f"{committed[-1]['step']:,}; optimiser state starts fresh") in capsys.readouterr().out
+    curve = json.loads((tmp_path / "new-out" / CURVE_FILE).read_text())
+    assert curve[:len(committed)] == committed and len(curve) > len(committed) + 1
+    tokens = [point["tokens"] for point in curve]
+    assert tokens == sorted(tokens) and curve[len(committed)]["tokens"] >= committed[-1]["tokens"]
+    for key in ("step", "tokens", "records", "batches", "elapsed_s"):
+        assert second["progress"][key] > first["progress"][key], key
+    assert second["continued_from"]["tokens"] == committed[-1]["tokens"]
+    card = (tmp_path / "new-out" / "README.md").read_text()  # the stage's block replaced
+    assert card.count("Streaming stage (`specdec train-draft --stream`)") == 1
+    assert card.count("## Held-out curve") == 1 and card.count("--stream-from STARTING") == 1
+    assert f"Resumed from the committed draft at {committed[-1]['tokens']:,} tokens" in card
+
+
+def test_a_curve_from_before_the_handwritten_set_continues_with_its_figures_marked(
+        tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    import shutil
+
+    from specdec.draft_training.heldout import curve_series
+
+    target_dir, draft_dir = tiny
+    old_draft = tmp_path / "old-draft"
+    shutil.copytree(draft_dir, old_draft)
+    # the prompt sets' figures at the top level, no hand-written ones
+    old_points = [{"tokens": tokens, "trained_tokens": 2 * tokens, "step": step, "loss": None,
+                   "top1_agreement": 0.3, "expected_acceptance": 0.2, "positions": 9}
+                  for tokens, step in ((0, 0), (100, 5))]
+    (old_draft / CURVE_FILE).write_text(json.dumps(old_points))
+    out = tmp_path / "out"
+    stream_distill(str(target_dir), old_draft, tmp_path / "work", out,
+                   replace(QUICK_RUN, time_budget_s=0.0))
+    curve = json.loads((out / CURVE_FILE).read_text())
+    figures = ("top1_agreement", "expected_acceptance", "positions")
+    for old, point in zip(old_points, curve, strict=False):
+        assert point == {**{k: v for k, v in old.items() if k not in figures},
+                         GENERATED: {k: old[k] for k in figures}}
+    new = curve[len(old_points):]
+    assert len(new) == 2 and all(p["tokens"] >= 100 and p["step"] >= 5 for p in new)
+    assert all(set(figures) <= set(p) and set(figures) <= set(p[GENERATED]) for p in new)
+    # the hand-written set's lines start at the continuation, the prompt sets' span the curve
+    lines = {label.split(":")[0]: tokens for label, tokens, _ in curve_series(curve)}
+    assert lines == {"hand-written": [100, 100], "prompt sets": [0, 100, 100, 100]}
+    assert "from 100 to 100 labelled tokens" in (out / "README.md").read_text()
 
 
 def test_a_new_draft_for_a_target_without_one(tiny: tuple[Path, Path], tmp_path: Path) -> None:

@@ -229,6 +229,13 @@ def _shards_text(shards: dict[str, int | None]) -> str:
                      for prefix, count in shards.items())
 
 
+# Lines of a streamed draft's card that a run continuing its curve replaces.
+STREAM_STAGE = "Streaming stage (`specdec train-draft --stream`), continuing the draft above:"
+CURVE_HEADING = "## Held-out curve (streaming stage)"
+STREAM_COMMAND = "# streaming stage, from the draft above:"
+REMEASURE = "specdec train-draft eval --out-dir DRAFT"
+
+
 def stream_command(settings: dict) -> str:
     """The `specdec train-draft --stream` line that reproduces a run's settings."""
     flags = [("--device", settings.get("device", "cpu")), ("--producer", settings["producer"]),
@@ -249,12 +256,25 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
     to the card) and its evaluation table marked as the starting draft's. With `reports`
     (evaluate.evaluate of this draft and of the starting draft, measured in one run) the
     evaluation is the two side by side instead; the costs stay the starting draft's (the
-    stage keeps the architecture)."""
+    stage keeps the architecture). Where the run continued the starting draft's own
+    streaming curve (summary["continued_from"]), this stage's block, curve section and
+    command replace the starting card's."""
     from specdec.draft_training.heldout import GENERATED, PLOT_FILE, handwritten_held_out
 
     lines = init_card.read_text().splitlines()
     progress, settings, curve = summary["progress"], summary["settings"], summary["curve"]
-    first, last = curve[0], curve[-1]
+    last = curve[-1]
+    # The first point of each held-out set: points from before the hand-written set
+    # hold the prompt sets' figures only (heldout.read_curve).
+    first = next(point for point in curve if "top1_agreement" in point)
+    first_generated = next((point for point in curve if GENERATED in point), last)
+    since = summary.get("continued_from") or {}
+    # Counters the continued point lacks start at the resumption.
+    contexts = (f"in {progress['records']:,} contexts" if not since or "records" in since
+                else f"({progress['tokens'] - since['tokens']:,} of them since the "
+                f"resumption, in {progress['records']:,} contexts)")
+    minutes = f"{progress['elapsed_s'] / 60:.1f} min" + (
+        "" if not since or "elapsed_s" in since else " since the resumption")
     kinds = summary.get("produced_by_kind", {})
     total = max(1, sum(kinds.values()))
     mix = ", ".join(f"{kind} {count / total:.0%}" for kind, count in sorted(kinds.items()))
@@ -262,16 +282,19 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
     temperatures = ", ".join(f"{t:g}" for t in settings["temperatures"])
     stage = [
         "",
-        "Streaming stage (`specdec train-draft --stream`), continuing the draft above:",
+        STREAM_STAGE,
         "",
-        f"- {progress['tokens']:,} target-labelled tokens in {progress['records']:,} "
-        f"contexts, written by the {settings['producer']} producer and labelled by "
+        *([f"- Resumed from the committed draft at {since['tokens']:,} tokens, step "
+           f"{since['step']:,} (its bfloat16 weights and this curve; the optimiser state "
+           "started fresh)."] if since else []),
+        f"- {progress['tokens']:,} target-labelled tokens {contexts}, written by the "
+        f"{settings['producer']} producer and labelled by "
         f"{summary.get('target', 'the target')} (bfloat16) with its top-"
         f"{settings['top_k']} distribution; contexts: {mix}, user-like (magpie + multi-turn) "
         f"{user_like:.0%} (labelled tokens); temperatures {temperatures} in turn.",
         f"- {progress['step']:,} optimiser steps of {settings['train_batch']} contexts (peak "
         f"learning rate {settings['lr']:g}, each context used at most {settings['passes']} "
-        f"times), {progress['elapsed_s'] / 60:.1f} min on "
+        f"times), {minutes} on "
         f"{summary.get('device_name', '2 shared CPU cores')} "
         f"({summary['tokens_per_s_this_run']:.0f} labelled tokens/s in the last run).",
         *([f"- User turns the target wrote in the last run: {summary['written_turns']:,} "
@@ -284,20 +307,25 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
     count = settings["held_out_prompts"]
     generated = ([f"On {count} held-out prompts of the project's prompt sets "
                   f"({last[GENERATED]['positions']} positions): top-1 agreement "
-                  f"{first[GENERATED]['top1_agreement']:.3f} -> "
+                  f"{first_generated[GENERATED]['top1_agreement']:.3f} -> "
                   f"{last[GENERATED]['top1_agreement']:.3f}, sum min(p, q) "
-                  f"{first[GENERATED]['expected_acceptance']:.3f} -> "
-                  f"{last[GENERATED]['expected_acceptance']:.3f}.", ""]
-                 if GENERATED in first and GENERATED in last else [])
+                  f"{first_generated[GENERATED]['expected_acceptance']:.3f} -> "
+                  f"{last[GENERATED]['expected_acceptance']:.3f} over "
+                  f"{last['tokens'] - first_generated['tokens']:,} labelled tokens.", ""]
+                 if GENERATED in last else [])
+    span = (f"over {last['tokens']:,} labelled tokens (`stream_curve.json` beside this card)"
+            if first["tokens"] == 0 else
+            f"from {first['tokens']:,} to {last['tokens']:,} labelled tokens "
+            "(`stream_curve.json` beside this card; its earlier points measured the prompt "
+            "sets only)")
     curve_lines = [
-        "## Held-out curve (streaming stage)",
+        CURVE_HEADING,
         f"Teacher-forced on the target's greedy answers to "
         f"{min(count, len(handwritten_held_out()))} hand-written everyday conversations "
         f"(`specdec/draft_training/handwritten_heldout.jsonl`; {last['positions']} "
         f"positions): top-1 agreement {first['top1_agreement']:.3f} -> "
         f"{last['top1_agreement']:.3f}, expected T=1 acceptance sum min(p, q) "
-        f"{first['expected_acceptance']:.3f} -> {last['expected_acceptance']:.3f} over "
-        f"{last['tokens']:,} labelled tokens (`stream_curve.json` beside this card).",
+        f"{first['expected_acceptance']:.3f} -> {last['expected_acceptance']:.3f} {span}.",
         "",
         *generated,
         f"![held-out acceptance against training tokens]({PLOT_FILE})",
@@ -305,6 +333,8 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
     ]
     out: list[str] = []
     section = ""  # the "## " heading the line is under
+    dropping = False  # in a part of the starting card that this stage's lines replace
+    skip = 0  # lines of the starting card's stream command still to drop
     for line in lines:
         if line.startswith("## "):
             if section == "## Training data":
@@ -312,20 +342,31 @@ def write_stream_card(out_dir: Path, init_card: Path, summary: dict,
                     out.pop()
                 out += stage + [""]
             section = line
+            dropping = False
+        if since and (line == STREAM_STAGE or section == CURVE_HEADING):
+            dropping = True  # to the section's end: the stage so far, which this run covers
+        if since and line == STREAM_COMMAND:
+            skip = 2  # the comment and the command
+        if dropping or skip:
+            skip = max(0, skip - 1)
+            continue
         if reports is not None and section.startswith("## Evaluation"):
             if line == section:
                 out += curve_lines + _comparison_lines(*reports)
             continue  # the starting draft's table, measured in another run
+        if since and section.startswith("## Evaluation"):
+            line = line.replace("Starting draft -> this draft.",
+                                f"Starting draft -> the draft at {since['tokens']:,} tokens.")
         if line.startswith("## Evaluation"):
             out += curve_lines
-            line = line.replace("## Evaluation",
-                                "## Evaluation of the draft before the streaming stage")
-        if line.startswith("specdec train-draft eval card"):
+            if "before the streaming stage" not in line:
+                line = line.replace("## Evaluation", (
+                    f"## Evaluation at {since['tokens']:,} streamed tokens," if since else
+                    "## Evaluation of the draft before the streaming stage"))
+        if line.startswith(("specdec train-draft eval card", REMEASURE)):
             # `card` writes a card of the staged pipeline, which this draft has outgrown
-            out += ["# streaming stage, from the draft above:",
-                    stream_command(settings) + " --stream-from STARTING_DRAFT"]
-            line = ("specdec train-draft eval --out-dir DRAFT  # re-measure a draft "
-                    "(eval_report.json in --work-dir)")
+            out += [STREAM_COMMAND, stream_command(settings) + " --stream-from STARTING_DRAFT"]
+            line = f"{REMEASURE}  # re-measure a draft (eval_report.json in --work-dir)"
         out.append(line)
     (out_dir / "README.md").write_text("\n".join(out) + "\n")
 

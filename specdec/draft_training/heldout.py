@@ -12,7 +12,10 @@ answers, two figures per draft and set:
   sampled from the draft is accepted at T=1 (docs/design.md, "The exactness contract").
 Each checkpoint appends them, with the tokens trained on so far, to a JSON log: the
 hand-written set's figures at the top level of a point, the prompt sets' under
-"generated". The plot of the log sits next to the model card.
+"generated". A point without "generated" holds the prompt sets' figures at the top
+level, as logs did before the hand-written set; read_curve moves them under
+"generated", so the top level means the hand-written set in every point it holds
+figures. The plot of the log sits next to the model card.
 """
 
 from __future__ import annotations
@@ -125,8 +128,39 @@ def measure_agreement(draft: LlamaForCausalLM, held_out: HeldOutSet) -> dict[str
             "expected_acceptance": accepted / max(1, positions), "positions": positions}
 
 
+# The counters of a curve point (stream.Progress's, which a run continuing the curve
+# starts from); besides them and the loss, a point holds figures.
+POINT_COUNTERS = ("tokens", "trained_tokens", "step", "records", "batches", "elapsed_s")
+
+
 def read_curve(path: Path) -> list[dict[str, Any]]:
-    return list(json.loads(path.read_text())) if path.exists() else []
+    """The curve at path (empty where there is none), each point's prompt-set figures
+    under GENERATED."""
+    return [_generated_under_its_key(point) for point in json.loads(path.read_text())
+            ] if path.exists() else []
+
+
+def _generated_under_its_key(point: dict[str, Any]) -> dict[str, Any]:
+    if GENERATED in point:
+        return point
+    kept = (*POINT_COUNTERS, "loss")
+    counters = {key: value for key, value in point.items() if key in kept}
+    figures = {key: value for key, value in point.items() if key not in kept}
+    return {**counters, GENERATED: figures}
+
+
+def curve_series(curve: list[dict[str, Any]]) -> list[tuple[str, list[int], list[float]]]:
+    """(label, labelled tokens, values) of each line the plot draws, over the points that
+    measured it: the hand-written set's figures, then the prompt sets'."""
+    series = []
+    for name, nested in ((HANDWRITTEN, False), ("prompt sets", True)):
+        for key, what in (("top1_agreement", "top-1 agreement (greedy acceptance)"),
+                          ("expected_acceptance", "sum min(p, q) (T=1 acceptance)")):
+            points = [(point["tokens"], figures[key]) for point in curve
+                      for figures in [point.get(GENERATED, {}) if nested else point]
+                      if key in figures]
+            series.append((f"{name}: {what}", [t for t, _ in points], [v for _, v in points]))
+    return series
 
 
 def write_curve(path: Path, curve: list[dict[str, Any]]) -> None:
@@ -137,23 +171,21 @@ def write_curve(path: Path, curve: list[dict[str, Any]]) -> None:
 
 def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     """Held-out top-1 agreement and expected acceptance against labelled tokens: the
-    hand-written set in solid lines, the prompt sets' (where every point has them) dashed."""
+    hand-written set in solid lines, the prompt sets' dashed, each over the points that
+    measured it (curve_series)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tokens = [entry["tokens"] for entry in curve]
     figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    axes.plot(tokens, [e["top1_agreement"] for e in curve], marker="o", color="C0",
-              label="hand-written: top-1 agreement (greedy acceptance)")
-    axes.plot(tokens, [e["expected_acceptance"] for e in curve], marker="s", color="C1",
-              label="hand-written: sum min(p, q) (T=1 acceptance)")
-    if all(GENERATED in e for e in curve):
-        axes.plot(tokens, [e[GENERATED]["top1_agreement"] for e in curve], marker="o",
-                  color="C0", linestyle="--", alpha=0.6, label="prompt sets: top-1 agreement")
-        axes.plot(tokens, [e[GENERATED]["expected_acceptance"] for e in curve], marker="s",
-                  color="C1", linestyle="--", alpha=0.6, label="prompt sets: sum min(p, q)")
+    styles = [("o", "C0", "-", 1.0), ("s", "C1", "-", 1.0), ("o", "C0", "--", 0.6),
+              ("s", "C1", "--", 0.6)]  # in curve_series's order
+    for (label, tokens, values), (marker, color, line, alpha) in zip(
+            curve_series(curve), styles, strict=True):
+        if tokens:
+            axes.plot(tokens, values, marker=marker, color=color, linestyle=line,
+                      alpha=alpha, label=label)
     axes.set_xlabel("target-labelled tokens trained on (this stage)")
     axes.set_ylabel("held-out, per token")
     axes.set_title(title)

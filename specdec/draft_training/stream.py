@@ -8,9 +8,12 @@ has arrived, trains again on records it has seen fewer than `passes` times.
 
 A run starts from the given draft, or from the checkpoint in the work dir when there is
 one (weights, optimiser, counters and the held-out curve: a run resumes), and stops at
-its time budget. Every `checkpoint_every_s` it saves the checkpoint, measures the
-held-out curve (heldout.py) and hands its weights to a producer that samples with the
-draft. Progress lines go to stdout.
+its time budget. A draft directory that holds the curve of its own streaming run
+(CURVE_FILE, committed beside its bfloat16 weights) resumes on any machine: with no
+checkpoint in the work dir, the run continues that curve and its counters, with a fresh
+optimiser (its state is not committed). Every `checkpoint_every_s` it saves the
+checkpoint, measures the held-out curve (heldout.py) and hands its weights to a producer
+that samples with the draft. Progress lines go to stdout.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from specdec.draft_training.heldout import (
     CURVE_FILE,
     GENERATED,
     PLOT_FILE,
+    POINT_COUNTERS,
     HeldOutSet,
     held_out_sets,
     load_or_build_held_out,
@@ -82,8 +86,9 @@ SUMMARY_FILE = "stream_summary.json"
 WARMUP_STEPS = 50
 
 
-def _lr(settings: StreamSettings, step: int, elapsed_s: float) -> float:
-    warmup = min(1.0, (step + 1) / WARMUP_STEPS)
+def _lr(settings: StreamSettings, optimiser_steps: int, elapsed_s: float) -> float:
+    """Warm-up over the optimiser state's first steps, then cosine over this run."""
+    warmup = min(1.0, (optimiser_steps + 1) / WARMUP_STEPS)
     decay = 0.5 * (1 + math.cos(math.pi * min(1.0, elapsed_s / settings.time_budget_s)))
     return settings.lr * warmup * (0.1 + 0.9 * decay)
 
@@ -161,6 +166,9 @@ class Progress:
     records: int = 0
     elapsed_s: float = 0.0  # over all runs
     batches: int = 0  # producer batches made (sets the next one's temperature and seed)
+    optimiser_steps: int = 0  # steps the optimiser state has taken (its warm-up reads them)
+    # The counters of the draft directory's curve point this stage continues from, if any.
+    continued_from: dict[str, Any] | None = None
 
 
 def _save_checkpoint(path: Path, draft: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -269,8 +277,9 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
                    settings: StreamSettings, excluded: list[str] | None = None,
                    target: PreTrainedModel | None = None) -> dict[str, Any]:
     """Distil the draft in init_draft (or the work dir's checkpoint) on a stream of
-    labelled contexts for settings.time_budget_s; write it (bfloat16), its token map,
-    the curve and its plot to out_dir. `target`: the loaded target (bfloat16 by
+    labelled contexts for settings.time_budget_s, continuing the curve and counters of
+    the checkpoint or else of init_draft's own streaming curve; write it (bfloat16), its
+    token map, the curve and its plot to out_dir. `target`: the loaded target (bfloat16 by
     default), for callers that already hold it."""
     torch.set_num_threads(1)  # the producer thread has the other core
     device = parse_device(settings.device)
@@ -291,13 +300,24 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad],
                                   lr=settings.lr, weight_decay=0.0)
     checkpoint, curve_path = work_dir / CHECKPOINT_FILE, work_dir / CURVE_FILE
-    progress = Progress()
+    progress, curve = Progress(), []
     if checkpoint.exists():
         state = torch.load(checkpoint, map_location=device)
         draft.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        progress = Progress(**state["progress"])
+        progress = Progress(**{"optimiser_steps": state["progress"]["step"],
+                               **state["progress"]})
+        curve = read_curve(curve_path)
         print(f"resuming at step {progress.step}, {progress.tokens:,} tokens", flush=True)
+    elif same_kind(init_draft, settings) and (curve := read_curve(init_draft / CURVE_FILE)):
+        counters = {key: curve[-1][key] for key in POINT_COUNTERS if key in curve[-1]}
+        progress = Progress(**counters, continued_from=counters)
+        unmeasured = sum("top1_agreement" not in point for point in curve)
+        print(f"continuing the committed curve at {progress.tokens:,} tokens, step "
+              f"{progress.step:,}; optimiser state starts fresh"
+              + (f"; its {unmeasured} points before the hand-written set measured the "
+                 "prompt sets only (their figures under "
+                 f"{GENERATED!r})" if unmeasured else ""), flush=True)
     handwritten, generated = [
         load_or_build_held_out(work_dir / HELD_OUT_FILE.format(name), target, tokenizer,
                                token_map, conversations, settings.held_out_tokens)
@@ -312,9 +332,8 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
         """The hand-written set's figures, the prompt sets' under GENERATED."""
         return {**measure_set(model, handwritten), GENERATED: measure_set(model, generated)}
 
-    curve = read_curve(curve_path) if checkpoint.exists() else []
     end = ChatFormat(tokenizer).end_of_turn
-    if not curve:
+    if not checkpoint.exists():  # the starting draft's point, as measured here
         _record_point(curve, curve_path, draft, measure, progress, float("nan"))
     source = ConversationSource(tokenizer, TargetWriter(target, end), excluded=excluded or (),
                                 seed=settings.seed + progress.batches, mix=settings.mix,
@@ -351,7 +370,8 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
             progress.records += len(fresh)
             progress.trained_tokens += sum(len(r["new_ids"]) for r, _ in batch)
             for group in optimizer.param_groups:
-                group["lr"] = _lr(settings, progress.step, time.monotonic() - run_started)
+                group["lr"] = _lr(settings, progress.optimiser_steps,
+                                  time.monotonic() - run_started)
             loss = (eagle3_loss(draft, [r for r, _ in batch], draft_rows, settings.ttt_steps)
                     if isinstance(draft, Eagle3DraftForCausalLM)
                     else _loss(draft, [r for r, _ in batch], input_map, unk_row))
@@ -360,6 +380,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
             progress.step += 1
+            progress.optimiser_steps += 1
             losses.append(float(loss.detach()))
             reusable.extend((r, used + 1) for r, used in batch if used + 1 < settings.passes)
             now = time.monotonic()
@@ -390,6 +411,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
                "written_turns": source.written_turns,
                "dropped_written_turns": source.dropped_turns,
                "near_duplicate_turns": source.near_duplicates,
+               "continued_from": progress.continued_from,
                "init_draft": str(init_draft), "target": Path(target_dir).name,
                "device_name": device_name(device), "curve": curve}
     (work_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
@@ -400,6 +422,14 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
         if (init_draft / "README.md").exists():  # the starting draft's card, this stage added
             write_stream_card(out_dir, init_draft / "README.md", summary)
     return summary
+
+
+def same_kind(init_draft: Path, settings: StreamSettings) -> bool:
+    """Whether the run trains init_draft itself, so its curve is this draft's: an EAGLE-3
+    run from a token draft makes a new draft over that draft's vocabulary."""
+    from specdec.engine.eagle3_formats import directory_layout
+
+    return (directory_layout(init_draft) is not None) == (settings.draft_kind == "eagle3")
 
 
 def device_name(device: torch.device) -> str:
@@ -431,9 +461,10 @@ def _next_batch(records: queue.Queue[Record], reusable: deque[tuple[Record, int]
 def _record_point(curve: list[dict[str, Any]], path: Path, draft: LlamaForCausalLM,
                   measure: Callable[[LlamaForCausalLM], dict[str, Any]], progress: Progress,
                   loss: float) -> None:
-    point = {"tokens": progress.tokens, "trained_tokens": progress.trained_tokens,
-             "step": progress.step, "loss": None if math.isnan(loss) else round(loss, 4),
-             **measure(draft)}
+    counters = asdict(progress)
+    point = {**{key: counters[key] for key in POINT_COUNTERS},
+             "elapsed_s": round(progress.elapsed_s, 1),
+             "loss": None if math.isnan(loss) else round(loss, 4), **measure(draft)}
     curve.append(point)
     write_curve(path, curve)
     generated = point[GENERATED]
