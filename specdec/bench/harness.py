@@ -117,6 +117,9 @@ class BenchModels:
     draft_precision: str = ""
     draft_precision_detail: str = ""
     draft_linear_kernel: str = "auto"
+    # The model transformers' rows (hf-generate, hf-assisted) run: transformers' own
+    # kernels, as a user without specdec runs it; None: `target`.
+    stock_target: Any | None = None
 
 
 class GrpcEndpoint(Protocol):
@@ -185,6 +188,11 @@ def load_models(settings: BenchSettings) -> BenchModels:
                          draft_precision=precision.label,
                          draft_precision_detail=choice.describe(),
                          draft_linear_kernel=precision.linear_kernel)
+    if {HF_GENERATE, HF_ASSISTED} & set(settings.systems):
+        from specdec.engine.models import load_pretrained
+
+        models.stock_target = load_pretrained(settings.target_model, cpu, dtype,
+                                              progress=False).model
     assistant_name = assistant_model(settings, draft.model)
     if assistant_name != settings.draft_model:
         assistant = load_causal_lm(assistant_name, cpu, precision.dtype,
@@ -306,7 +314,8 @@ class Bench:
             return self.llama_cpp.run(config, mode, prompt_ids, max_new_tokens,
                                       self.models.eos, seed)
         if config.system in (HF_GENERATE, HF_ASSISTED):
-            return baselines.run_hf(config, mode, self.models.target, self.hf_draft,
+            target = self.models.stock_target or self.models.target
+            return baselines.run_hf(config, mode, target, self.hf_draft,
                                     prompt_ids, max_new_tokens, self.models.eos, seed)
         if config.system == GRPC:
             assert self.grpc is not None
