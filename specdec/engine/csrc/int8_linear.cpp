@@ -41,7 +41,7 @@ namespace {
 constexpr int64_t GROUP = 32;    // inputs per scale and offset; one vector step
 constexpr int64_t LANES = 16;    // float32 lanes of a vector
 constexpr int64_t BLOCK_N = 4;   // outputs decoded and computed together
-constexpr int64_t BLOCK_M = 2;   // rows computed together
+constexpr int64_t BLOCK_M = 4;   // at most this many rows computed together
 
 struct SuperBlock {
   int64_t first_step;  // = first group
@@ -266,22 +266,27 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
 #endif
         }
       const int64_t n0 = nb * BLOCK_N;
-      for (int64_t m0 = 0; m0 < M; m0 += BLOCK_M) {
-        const int64_t rows = std::min(BLOCK_M, M - m0);
+      for (int64_t m0 = 0; m0 < M;) {
+        // Rows share each decoded weight vector: four, two or one at a time. Each row's
+        // sums run in the same order whichever group it is computed in.
+        const int64_t rows = M - m0 >= 4 ? 4 : std::min<int64_t>(2, M - m0);
         const uint16_t* xrow = packed_x.data() + m0 * K;
         const float* sums = lane_sums.data() + m0 * count * LANES;
-        if (rows == 2)
-          dot_block<2>(xrow, sums, K, blocks, decoded.data(), sp + n0 * count * LANES,
-                       op + n0 * count * LANES, dots);
+        const float* block_scales = sp + n0 * count * LANES;
+        const float* block_offsets = op + n0 * count * LANES;
+        if (rows == 4)
+          dot_block<4>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
+        else if (rows == 2)
+          dot_block<2>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
         else
-          dot_block<1>(xrow, sums, K, blocks, decoded.data(), sp + n0 * count * LANES,
-                       op + n0 * count * LANES, dots);
+          dot_block<1>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j < BLOCK_N; ++j) {
             float value = dots[i * BLOCK_N + j];
             if (bp) value += bp[n0 + j];
             yp[(m0 + i) * N + n0 + j] = c10::BFloat16(value).x;
           }
+        m0 += rows;
       }
     }
   });
