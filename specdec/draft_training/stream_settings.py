@@ -21,7 +21,9 @@ class StreamSettings:
     """One streaming run. The command's flags take their defaults from here."""
 
     time_budget_s: float = 30 * 60.0
-    producer: str = "mix"  # PRODUCERS
+    # PRODUCERS; the target writes: training on the draft's own text lowers acceptance
+    # on the target's (docs/models.md)
+    producer: str = "target-generate"
     train_batch: int = 16  # records per optimiser step
     produce_batch: int = 16  # contexts asked of the source per producer call
     max_new_tokens: int = 128
