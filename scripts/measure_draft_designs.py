@@ -1,6 +1,6 @@
 """What each draft design costs beside the target, and the speed-up bound that cost allows.
 
-For the three designs issue-level comparisons weigh (today's token draft: 2 layers over
+For three draft designs (today's token draft: 2 layers over
 an 8k vocabulary; a larger token draft: 4 layers over a 16k vocabulary; an EAGLE-3 head:
 one layer reading three of the target's layer states), at the precision the services
 pick by default (`--dtype auto`: int8 linear weights where the int8 operator runs):
@@ -58,7 +58,8 @@ def main() -> None:
     draft_dir = Path(str(resolve(default("draft-model"))))
     today, token_map = load_draft(draft_dir)
     # A 16k vocabulary: today's ids, then the lowest other ids (timing only).
-    extra = [i for i in range(vocab) if i not in set(token_map)][:16384 - len(token_map)]
+    mapped = set(token_map)
+    extra = [i for i in range(vocab) if i not in mapped][:16384 - len(token_map)]
     wider = sorted(token_map + extra)
     designs = {
         "token draft, 2 layers, 8k vocabulary (today's)": (today, token_map),
