@@ -112,6 +112,7 @@ def draft_dtype_for(draft_dtype: str, dtype_name: str) -> str:
     return "bfloat16" if dtype_name.lower() == AUTO_DTYPE else dtype_name
 ATTENTION_KERNELS = ("auto", "sdpa", "grouped", "rowwise")
 COMPILE_CHOICES = ("auto", "on", "off")
+FUSED_STEP_CHOICES = ("auto", "off")
 # SpeculationParams.method: where a round's proposals come from (coordinator.validation).
 SPECULATION_METHODS = ("auto", "draft", "suffix", "lookup", "none")
 # `specdec bench --workload` (specdec.bench.workloads): "all" runs each in one run.
@@ -280,6 +281,12 @@ _ALL = (
             "torch.compile the draft's forward: auto (compile at load, time it against "
             "eager and keep the faster), on, off", CPU_KERNELS, choices=COMPILE_CHOICES,
             advanced=True),
+    Setting("fused-step", "auto",
+            "decode-sized forwards of the target and a token draft without transformers' "
+            "module stack, q/k/v and gate/up as one int8 product each, the same logits bit "
+            "for bit: auto (a Llama-family model on int8 weights with rowwise attention), "
+            "off",
+            CPU_KERNELS, choices=FUSED_STEP_CHOICES, advanced=True),
     # security (specdec.serving.security; docs/security.md)
     Setting("tls-cert-file", "", "PEM certificate this server presents (empty = plaintext)",
             SECURITY),
@@ -333,7 +340,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
 # Which settings each service command takes.
 MODEL_SETTINGS = ("target-model", "draft-model", "device", "dtype", "backend", "kv-budget-mb",
                   "torch-threads", "linear-kernel", "attention-kernel", "draft-dtype",
-                  "draft-linear-kernel", "draft-compile")
+                  "draft-linear-kernel", "draft-compile", "fused-step")
 # Accepted by every role, so `specdec up` can pass one set to all three.
 SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-tokens",
                     "num-draft-tokens", "draft-confidence",

@@ -93,7 +93,8 @@ def _load_target(attention_kernel: str = "auto", linear_kernel: str = "auto"
                  ) -> models.LoadedModel:
     torch.set_num_threads(2)
     return load_causal_lm(models.DEFAULT_TARGET, CPU, torch.bfloat16, progress=False,
-                          attention_kernel=attention_kernel, linear_kernel=linear_kernel)
+                          attention_kernel=attention_kernel, linear_kernel=linear_kernel,
+                          fused_step="auto")
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +104,10 @@ def target_bf16() -> models.LoadedModel:
 
 @pytest.fixture(scope="module")
 def target_int8() -> models.LoadedModel:
-    """--dtype int8: int8 linear weights, bfloat16 activations."""
-    return _load_target(linear_kernel="int8")
+    """--dtype int8: int8 linear weights, bfloat16 activations, the fused step (as served)."""
+    loaded = _load_target(linear_kernel="int8")
+    assert loaded.precision.endswith("fused step")
+    return loaded
 
 
 @pytest.fixture(params=["bfloat16", "int8"])

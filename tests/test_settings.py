@@ -100,7 +100,7 @@ def test_serve_flags_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> 
     groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
     assert set(groups[settings.CPU_KERNELS]) == {
         "torch_threads", "linear_kernel", "attention_kernel", "draft_dtype",
-        "draft_linear_kernel", "draft_compile"}
+        "draft_linear_kernel", "draft_compile", "fused_step"}
     assert all(SETTINGS[d.replace("_", "-")].advanced for d in groups[settings.CPU_KERNELS])
 
 

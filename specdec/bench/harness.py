@@ -69,6 +69,7 @@ class BenchSettings:
     # torch.compile of the draft's forward (specdec.engine.draft_compile). hf-assisted runs a
     # copy of its own, eager, for a draft with a reduced vocabulary (the default draft).
     draft_compile: str = "auto"
+    fused_step: str = "auto"  # the target's (specdec.engine.fused_step)
     # Threads of each service process (0 = torch default, as `specdec up`); with forwards
     # on one compute thread and a short OpenMP spin, 2 beat 1 here (specdec/serving/stack.py).
     grpc_torch_threads: int = 0
@@ -172,7 +173,8 @@ def load_models(settings: BenchSettings) -> BenchModels:
     cpu = torch.device("cpu")
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=settings.progress,
                             linear_kernel=linear_kernel,
-                            attention_kernel=settings.attention_kernel)
+                            attention_kernel=settings.attention_kernel,
+                            fused_step=settings.fused_step)
     info = model_info(settings.target_model)
     draft_dtype, draft_linear_kernel = settings.draft_precision
     backend = CpuTunedBackend(cpu, dtype, linear_kernel=linear_kernel,
@@ -226,7 +228,7 @@ class ProcessStack:
                 "--attention-kernel", settings.attention_kernel,
                 "--draft-dtype", settings.draft_dtype,
                 "--draft-linear-kernel", settings.draft_linear_kernel,
-                "--draft-compile", settings.draft_compile,
+                "--draft-compile", settings.draft_compile, "--fused-step", settings.fused_step,
                 "--max-draft-tokens", str(max(default("max-draft-tokens"), settings.max_length))]
         self.log_dir = Path(tempfile.mkdtemp(prefix="specdec-bench-"))
         self.startup_timeout_s = settings.startup_timeout_s

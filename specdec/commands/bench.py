@@ -48,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_setting(parser, "--dtype", default("dtype"),
                 "dtype of every system: bfloat16, float32 (the draft's: see --draft-dtype)")
     add_settings(parser, ["backend", "torch-threads", "linear-kernel", "attention-kernel",
-                          "draft-dtype", "draft-linear-kernel", "draft-compile"])
+                          "draft-dtype", "draft-linear-kernel", "draft-compile", "fused-step"])
     # prompts, repetition (specdec.bench.workloads) or all: both, with ratios per workload;
     # also for --concurrency.
     add_settings(parser, ["workload"], grouped=False)
@@ -139,7 +139,7 @@ def settings_from_args(args: argparse.Namespace) -> object:
         torch_threads=args.torch_threads, linear_kernel=args.linear_kernel,
         attention_kernel=args.attention_kernel, draft_dtype=args.draft_dtype,
         draft_linear_kernel=args.draft_linear_kernel,
-        draft_compile=str(pick("draft_compile", COMPILE_AUTO)),
+        draft_compile=str(pick("draft_compile", COMPILE_AUTO)), fused_step=args.fused_step,
         grpc_torch_threads=args.grpc_torch_threads, modes=modes,
         systems=_csv(args.systems),
         lengths=_csv(str(pick("lengths", ",".join(LENGTHS)))),
@@ -309,7 +309,8 @@ def run_load_command(args: argparse.Namespace, command: str) -> int:
             target_model=args.target_model, draft_model=args.draft_model, dtype=args.dtype,
             grpc_torch_threads=args.grpc_torch_threads, linear_kernel=args.linear_kernel,
             attention_kernel=args.attention_kernel, draft_dtype=args.draft_dtype,
-            draft_linear_kernel=args.draft_linear_kernel, draft_compile=compile_setting))
+            draft_linear_kernel=args.draft_linear_kernel, draft_compile=compile_setting,
+            fused_step=args.fused_step))
         print(f"starting the services (logs in {stack.log_dir})", file=sys.stderr)
         endpoint = stack.stack.endpoint("coordinator")
     try:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from specdec.engine.kernels import OneDnnLinear
-from specdec.engine.runner import ModelRunner
+from specdec.engine.runner import FUSED_STEP_ATTRIBUTE, ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 from specdec.settings import COMPILE_CHOICES
@@ -167,6 +167,8 @@ def compile_draft(model: Any, new_runner: Callable[[], ModelRunner], setting: st
     """
     if not should_try(setting, device):
         return CompileOutcome(False, f"eager (--draft-compile {setting})")
+    if getattr(model, FUSED_STEP_ATTRIBUTE, None) is not None:
+        return CompileOutcome(False, "eager, the fused step (--fused-step)")
     if any(isinstance(module, OneDnnLinear) for module in model.modules()):
         if setting == ON:
             raise DraftCompileError(

@@ -134,6 +134,11 @@ def supports(linear: nn.Linear) -> bool:
 class Int8Linear(nn.Module):
     """A linear layer on int8 weights (inference only; buffers, no parameters)."""
 
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         if not supports(linear):

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -42,6 +42,19 @@ from specdec.engine.hidden_states import Capture, capture_keys, check_layers, st
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.vocab import VocabAdapter
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
+
+# Where a backend leaves a model's decode-sized forward of its own (a FusedForward; the
+# cpu-tuned backend's specdec.engine.fused_step), which the runner then calls for
+# decode-sized forwards that capture no states.
+FUSED_STEP_ATTRIBUTE = "specdec_fused_step"
+
+
+class FusedForward(Protocol):
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                 logits_to_keep: int | torch.Tensor, attention_mask: torch.Tensor | None,
+                 attention_kwargs: dict[str, Any] | None) -> torch.Tensor:
+        """Logits [1, kept rows, vocab], the bits the model's own forward gives."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,10 @@ class ModelRunner:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.RLock()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # The model's decode-sized forward without transformers' module stack, where the
+        # backend installed one (specdec.engine.fused_step; its logits are the same bits).
+        step = getattr(model, FUSED_STEP_ATTRIBUTE, None)
+        self._fused_step: FusedForward | None = step if callable(step) else None
         # How the model reads hidden states (None: it reads tokens only).
         self.hidden_reader = state_reader(model)
         self.needs_target_hidden = self.hidden_reader is not None
@@ -575,6 +592,12 @@ class ModelRunner:
             kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        if (self._fused_step is not None and not capture_keys and target_hidden is None
+                and (PACKING_KWARG in kwargs or len(tokens) <= DECODE_ROWS)):
+            extra_kwargs = {PACKING_KWARG: kwargs[PACKING_KWARG]} if PACKING_KWARG in kwargs \
+                else None
+            return self._fused_step(ids, positions, cache, logits_to_keep, attention_mask,
+                                    extra_kwargs)[0], None
         # The final norm and the layers see every position, the LM head the kept rows.
         capture = Capture(self.model, capture_keys) if capture_keys else None
         try:

@@ -9,7 +9,7 @@ so a new backend slots in here without touching the runner, the steps or the ser
 
 `--backend auto` (SPECDEC_BACKEND) picks cpu-tuned on a CPU and torch elsewhere; the
 fine knobs (--linear-kernel, --attention-kernel, --draft-dtype, --draft-linear-kernel,
---draft-compile, --torch-threads) are the cpu-tuned backend's advanced overrides.
+--draft-compile, --fused-step, --torch-threads) are the cpu-tuned backend's advanced overrides.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # Which fine knobs only the cpu-tuned backend reads, with their defaults.
 CPU_KNOBS = ("linear_kernel", "attention_kernel", "draft_dtype", "draft_linear_kernel",
-             "draft_compile", "torch_threads")
+             "draft_compile", "torch_threads", "fused_step")
 
 
 def backend_name(setting: str, device: torch.device) -> str:
@@ -66,4 +66,5 @@ def select_backend(args: Any) -> Backend:
         attention_kernel=get("attention_kernel"),
         draft_dtype=draft_dtype_for(get("draft_dtype"), get("dtype")),
         draft_linear_kernel=get("draft_linear_kernel") or linear_kernel,
-        draft_compile=get("draft_compile") or "auto", torch_threads=get("torch_threads"))
+        draft_compile=get("draft_compile") or "auto", torch_threads=get("torch_threads"),
+        fused_step=get("fused_step"))

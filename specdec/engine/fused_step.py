@@ -1,0 +1,231 @@
+"""The target's decode-sized forward without transformers' module stack.
+
+On a CPU a one-token step of the target spends about a third of its time outside its
+matrix products: module calls, keyword plumbing, mask building, output records, and
+three products for q/k/v and two for gate/up where one each would do. FusedStep runs
+the computation of transformers' LlamaForCausalLM forward op for op, with
+- q/k/v and gate/up each as one int8 product over the concatenated weights: the int8
+  operator sums an output in an order fixed by the layer's input width alone, so each
+  output gets the bits its own layer gives it (the layers' buffers become views of the
+  fused ones: no second copy of the weights);
+- no module calls and no mask building: a chain is causal, and a token tree's mask or a
+  packed batch's layout goes to the rowwise attention kernel as transformers passes it;
+- the final norm and the LM head on the kept rows only (both act row by row), the head
+  in whatever kernel the model has it.
+
+Its logits and KV cache equal transformers' forward bit for bit
+(tests/test_fused_step.py), so greedy equality and the row-invariance guarantees carry
+over unchanged. It runs decode-sized forwards: at most DECODE_ROWS new rows per session,
+alone or packed. Prefills, hidden-state capture and models that read hidden states go
+through transformers' forward.
+
+The cpu-tuned backend installs it at load, on the target and on a token draft, where the
+model fits (`fits`): a Llama-family model whose decoder layers' linear layers all run the
+int8 operator and whose attention is the rowwise kernel, which is `--dtype auto` on a CPU
+where the operator builds. `--fused-step off` keeps transformers' forward (and so does
+`--draft-compile on` for the draft, whose compiled forward is then what runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdec.engine.attention import ROWWISE_NAME, rowwise_sdpa_forward
+from specdec.engine.int8 import BLOCK, Int8Linear
+from specdec.engine.runner import FUSED_STEP_ATTRIBUTE
+from specdec.settings import FUSED_STEP_CHOICES
+
+ARCHITECTURES = ("LlamaForCausalLM",)
+FUSED = "fused step"  # what install reports when it installed the step
+
+
+@dataclass(frozen=True)
+class _Product:
+    """One int8 product's operands (int8_pack's layout), possibly of fused layers."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.specdec.int8_linear(input.to(torch.bfloat16), self.codes, self.scales,
+                                            self.offsets, self.bias)
+        return out if input.dtype == torch.bfloat16 else out.to(input.dtype)
+
+
+def _fuse(layers: Sequence[Int8Linear]) -> list[_Product]:
+    """One product for layers of the same input, their outputs side by side, with each
+    layer's buffers turned into views of the fused ones; the layers' own products where
+    only some of them have a bias."""
+    if len(layers) == 1 or len({layer.bias is None for layer in layers}) > 1:
+        return [_Product(layer.codes, layer.scales, layer.offsets, layer.bias)
+                for layer in layers]
+    biases = [layer.bias for layer in layers if layer.bias is not None]
+    product = _Product(torch.cat([layer.codes for layer in layers]),
+                       torch.cat([layer.scales for layer in layers]),
+                       torch.cat([layer.offsets for layer in layers]),
+                       torch.cat(biases) if biases else None)
+    row = 0
+    for layer in layers:
+        count = layer.out_features
+        layer.codes = product.codes[row // BLOCK:(row + count) // BLOCK]
+        layer.scales = product.scales[row:row + count]
+        layer.offsets = product.offsets[row:row + count]
+        if product.bias is not None:
+            layer.bias = product.bias[row:row + count]
+        row += count
+    return [product]
+
+
+def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm's forward, op for op."""
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * hidden.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attention: Any  # the layer's LlamaAttention: what the attention kernel reads
+    input_norm: Any  # LlamaRMSNorm
+    post_norm: Any
+    qkv: list[_Product]
+    output: _Product
+    gate_up: list[_Product]
+    down: _Product
+    act: Callable[[torch.Tensor], torch.Tensor]
+    widths: tuple[int, int, int]  # q, k, v outputs
+    intermediate: int
+    head_dim: int
+    scaling: float
+
+
+def fits(model: nn.Module) -> str | None:
+    """Why the fused step cannot run this model (None: it can)."""
+    config = getattr(model, "config", None)
+    architectures = tuple(getattr(config, "architectures", None) or ())
+    if type(model).__name__ not in ARCHITECTURES:
+        return f"a {type(model).__name__}, not one of {', '.join(ARCHITECTURES)}"
+    if architectures and not set(architectures) & set(ARCHITECTURES):
+        return f"architecture {architectures[0]}"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != ROWWISE_NAME:
+        return f"attention {implementation}, not the rowwise kernel"
+    inner = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", []))
+    if not layers:
+        return "no decoder layers"
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                       mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if not isinstance(linear, Int8Linear):
+                return f"{type(linear).__name__} layers, not int8"
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return "no LM head"
+    return None
+
+
+class FusedStep:
+    """A Llama-family model's decode-sized forward (see the module's docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = fits(model)
+        if reason is not None:
+            raise ValueError(f"the fused step does not fit this model: {reason}")
+        source: Any = model
+        inner = source.model
+        self.embed_tokens = inner.embed_tokens
+        self.rotary_emb = inner.rotary_emb
+        self.norm = inner.norm
+        # The LM head as the model has it: int8 where its shape allows, else its own kernel
+        # (a draft's 8193-row head, say).
+        self.lm_head: Callable[[torch.Tensor], torch.Tensor] = (
+            _fuse([source.lm_head])[0] if isinstance(source.lm_head, Int8Linear)
+            else source.lm_head)
+        count = int(source.config.num_hidden_layers)
+        self.layers = [self._layer(layer) for layer in list(inner.layers)[:count]]
+
+    @staticmethod
+    def _layer(layer: Any) -> _Layer:
+        attention: Any = layer.self_attn
+        mlp: Any = layer.mlp
+        qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+        return _Layer(attention, layer.input_layernorm, layer.post_attention_layernorm,
+                      _fuse(qkv), _fuse([attention.o_proj])[0],
+                      _fuse([mlp.gate_proj, mlp.up_proj]), _fuse([mlp.down_proj])[0],
+                      mlp.act_fn, tuple(linear.out_features for linear in qkv),
+                      mlp.gate_proj.out_features, attention.head_dim,
+                      float(attention.scaling))
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                logits_to_keep: int | torch.Tensor,
+                attention_mask: torch.Tensor | None = None,
+                attention_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+        """The logits [kept rows, vocab] of input_ids [1, rows] at position_ids over
+        cache (a transformers Cache, or a PackedBatch with its kwarg in
+        attention_kwargs), as LlamaForCausalLM's forward computes them; the kept rows:
+        the last logits_to_keep (an int), or these row indices."""
+        kwargs = attention_kwargs or {}
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        batch, rows = input_ids.shape
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            normed = _rms_norm(layer.input_norm, hidden)
+            shape = (batch, rows, -1, layer.head_dim)
+            parts = [product(normed) for product in layer.qkv]
+            query, key, value = (parts[0].split(layer.widths, dim=-1) if len(parts) == 1
+                                 else parts)
+            query = query.view(shape).transpose(1, 2)
+            key = key.view(shape).transpose(1, 2)
+            value = value.view(shape).transpose(1, 2)
+            query = (query * cos) + (_rotate_half(query) * sin)
+            key = (key * cos) + (_rotate_half(key) * sin)
+            key, value = cache.update(key, value, index)
+            attended, _ = rowwise_sdpa_forward(layer.attention, query, key, value,
+                                               attention_mask, dropout=0.0,
+                                               scaling=layer.scaling, **kwargs)
+            attended = attended.reshape(batch, rows, -1).contiguous()
+            hidden = residual + layer.output(attended)
+            residual = hidden
+            normed = _rms_norm(layer.post_norm, hidden)
+            if len(layer.gate_up) == 1:
+                gate, up = layer.gate_up[0](normed).split(layer.intermediate, dim=-1)
+            else:
+                gate, up = (product(normed) for product in layer.gate_up)
+            # Contiguous, as the gate layer's own output is: the activation's kernel
+            # then takes the same (vectorised) path.
+            hidden = residual + layer.down(layer.act(gate.contiguous()) * up)
+        kept = (hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int)
+                else hidden[:, logits_to_keep])
+        return self.lm_head(_rms_norm(self.norm, kept))
+
+
+def install(model: nn.Module, setting: str) -> str:
+    """Install the fused step on model where the setting and the model allow; returns
+    what runs its decode-sized forwards, for the load report."""
+    if setting not in FUSED_STEP_CHOICES:
+        raise ValueError(f"fused step setting must be one of {FUSED_STEP_CHOICES}, "
+                         f"got {setting!r}")
+    if setting == "off":
+        return "transformers forward (--fused-step off)"
+    reason = fits(model)
+    if reason is not None:
+        return f"transformers forward (fused step: {reason})"
+    setattr(model, FUSED_STEP_ATTRIBUTE, FusedStep(model))
+    return FUSED
