@@ -257,8 +257,8 @@ _ALL = (
             + ", ".join(f"{port} {role}" for role, port in DEFAULT_METRICS_PORTS.items())
             + ")", TELEMETRY, type=int),
     # advanced: CPU kernels (used by the cpu-tuned backend; the torch backend ignores them)
-    Setting("torch-threads", 0, "torch intra-op threads (0 = auto: `specdec up` splits the "
-            "host's CPUs between draft (a quarter) and target; alone, torch's default)",
+    Setting("torch-threads", 0, "torch intra-op threads (0 = auto: under `specdec up` every "
+            "CPU of the host for each service; alone, torch's default)",
             CPU_KERNELS,
             type=int, advanced=True),
     Setting("linear-kernel", "auto",

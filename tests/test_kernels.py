@@ -82,6 +82,8 @@ def test_greedy_with_skinny_kernel_equals_hf_generate_with_torch_kernel(make) ->
 def test_the_caveat_names_kernels_that_are_not_row_invariant() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert row_invariance_caveat(cpu, torch.bfloat16, "onednn", "rowwise") is None
+    assert row_invariance_caveat(cpu, torch.bfloat16, "int8", "rowwise") is None
+    assert row_invariance_caveat(cpu, torch.bfloat16, "int8", "sdpa") is not None
     assert row_invariance_caveat(cpu, torch.float32, "skinny", "grouped") is None
     assert row_invariance_caveat(cuda, torch.float32, "torch", "sdpa") is None
     on_cpu = row_invariance_caveat(cpu, torch.bfloat16, "torch", "sdpa")

@@ -180,7 +180,8 @@ def load_models(settings: BenchSettings) -> BenchModels:
     backend = CpuTunedBackend(cpu, dtype, linear_kernel=linear_kernel,
                               attention_kernel=settings.attention_kernel, draft_dtype=draft_dtype,
                               draft_linear_kernel=draft_linear_kernel,
-                              draft_compile=settings.draft_compile)
+                              draft_compile=settings.draft_compile,
+                              fused_step=settings.fused_step)
     choice = backend.load_draft(settings.draft_model, target_vocab_size=info.vocab_size,
                                 progress=settings.progress,
                                 target_model=settings.target_model)

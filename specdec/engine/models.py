@@ -224,14 +224,14 @@ def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,
 
     Greedy equality with the target's own decoding rests on it in reduced precision,
     whose rounding moves a logit by far more than float32's does. Row-invariant: bfloat16
-    on CPU with the onednn linear and rowwise attention kernels, the defaults there
+    on CPU with the onednn or int8 linear kernel and rowwise attention, the defaults there
     (tests/test_row_invariance.py). float32 rounds a row differently only in its last
     bits, which moves a greedy choice only at an exact near-tie; it is not flagged.
     """
     if dtype not in (torch.bfloat16, torch.float16):
         return None
-    if device.type == "cpu" and dtype == torch.bfloat16 and (linear, attention) == (
-            "onednn", "rowwise"):
+    if device.type == "cpu" and dtype == torch.bfloat16 and linear in ("onednn", "int8") \
+            and attention == "rowwise":
         return None
     where = ("on CUDA, cuBLAS and SDPA pick kernels by row count" if device.type == "cuda"
              else f"the {linear} linear and {attention} attention kernels")
@@ -240,8 +240,8 @@ def row_invariance_caveat(device: torch.device, dtype: torch.dtype, linear: str,
             "decode's in the reduced precision's rounding, so greedy output can leave the "
             "target's own decoding at near-ties (sampling keeps its law up to that "
             "rounding). For token-for-token equality serve the target in float32 (--dtype "
-            "float32), or on CPU in bfloat16 with the cpu-tuned backend's defaults "
-            "(--linear-kernel onednn --attention-kernel rowwise).")
+            "float32), or on CPU with the cpu-tuned backend's defaults (--dtype auto; in "
+            "bfloat16, --linear-kernel onednn --attention-kernel rowwise).")
 
 
 def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,

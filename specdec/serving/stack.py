@@ -72,15 +72,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def co_located_threads(cpus: int) -> dict[str, int]:
-    """Torch threads for a draft and a target on one host of `cpus` CPUs.
+    """Torch threads for a draft and a target on one host of `cpus` CPUs: every CPU for
+    each.
 
-    Under concurrent load their forwards overlap (each service batches its own sessions
-    on its own schedule). Two OpenMP pools that together hold more threads than CPUs
-    make each parallel region of either wait for a descheduled thread, which slows both
-    many times over, so the CPUs are split rather than shared: the draft, a small part
-    of the work, gets a quarter of them (at least one) and the target the rest."""
-    draft = max(1, cpus // 4)
-    return {"draft": draft, "target": max(1, cpus - draft)}
+    One request's draft and target take turns, so each forward may use every core.
+    Under concurrent load their forwards overlap, but the speculation gate keeps the
+    draft's share of the work small and the services' OpenMP threads wait passively
+    (SERVICE_THREAD_ENV), so an overlapping draft forward costs the target less than
+    the cores a split would leave it without; docs/performance.md measures both layouts
+    at one and eight clients."""
+    return {"draft": cpus, "target": cpus}
 
 
 def _last_value(args: Sequence[str], flag: str) -> str | None:
