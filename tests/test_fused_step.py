@@ -17,10 +17,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.engine import int8
 from specdec.engine.attention import apply_attention_kernel
-from specdec.engine.extend import ExtendRequest
+from specdec.engine.extend import FUSED_STEP_ATTRIBUTE, ExtendRequest
 from specdec.engine.fused_step import FUSED, FusedStep, fits, install
 from specdec.engine.kernels import apply_linear_kernel, int8_runs
-from specdec.engine.runner import FUSED_STEP_ATTRIBUTE, ModelRunner
+from specdec.engine.runner import ModelRunner
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not int8_runs(CPU, torch.bfloat16),

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from specdec.engine.extend import FUSED_STEP_ATTRIBUTE
 from specdec.engine.kernels import OneDnnLinear
-from specdec.engine.runner import FUSED_STEP_ATTRIBUTE, ModelRunner
+from specdec.engine.runner import ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.timing import STEP_ROUNDS, fastest_step_s, random_tokens
 from specdec.settings import COMPILE_CHOICES

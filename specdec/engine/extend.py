@@ -1,9 +1,11 @@
-"""What ModelRunner.extend takes and gives, and the state it keeps per session."""
+"""What ModelRunner.extend takes and gives, the state it keeps per session, and the
+decode-sized forward a backend may give a model."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -59,3 +61,17 @@ class ExtendResult:
     tokens_processed: int
     # [hidden_rows, width] the states hidden_layers names of the last hidden_rows tokens
     hidden: torch.Tensor | None = None
+
+
+# Where a backend leaves a model's decode-sized forward of its own (a FusedForward; the
+# cpu-tuned backend's specdec.engine.fused_step), which the runner then calls for
+# decode-sized forwards that capture no states.
+FUSED_STEP_ATTRIBUTE = "specdec_fused_step"
+
+
+class FusedForward(Protocol):
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                 logits_to_keep: int | torch.Tensor, attention_mask: torch.Tensor | None,
+                 attention_kwargs: dict[str, Any] | None) -> torch.Tensor:
+        """Logits [1, kept rows, vocab], the bits the model's own forward gives."""
+        ...

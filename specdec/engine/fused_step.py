@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from specdec.engine.attention import ROWWISE_NAME, rowwise_sdpa_forward
+from specdec.engine.extend import FUSED_STEP_ATTRIBUTE
 from specdec.engine.int8 import BLOCK, Int8Linear
-from specdec.engine.runner import FUSED_STEP_ATTRIBUTE
 from specdec.settings import FUSED_STEP_CHOICES
 
 ARCHITECTURES = ("LlamaForCausalLM",)

@@ -6,20 +6,16 @@ committed position and its fingerprint is checked before anything is computed.
 
 `extend_batch` serves many sessions per forward: every session's decode-sized rows are
 packed into one sequence, each at its own positions over its own cache (PackedBatch in
-specdec.engine.attention). Under the row-invariant kernels (bfloat16 on CPU: oneDNN linears
+specdec.engine.attention). Under the row-invariant kernels (CPU: oneDNN or int8 linears
 and rowwise attention) a row's logits are then the bits it gets when its session runs
 alone, up to the linear kernel's measured row cap (`max_invariant_rows`; larger batches
-are split into several forwards of whole sessions). Under the other kernels (float32,
-CUDA) a batched row equals its lone self within float tolerance only, so greedy output
-under batching equals serial output bit for bit only with the row-invariant kernels.
+are split into forwards of whole sessions); under the others (float32, CUDA) within
+float tolerance only.
 
 Prefills do not share forwards: a catch-up longer than a decode-sized forward runs its
-prefix alone first (the prefill a target-only run of the prompt makes, which keeps
-greedy equality), and only its decode-sized rows join the packed forward. A long
-prompt therefore delays the other sessions of its batch by one prefill forward;
-splitting it into chunks would change the prompt's last row and with it greedy
-equality, so no chunked prefill is offered. Callers that want prefills out of the
-decode batches schedule them as separate calls.
+prefix alone first (the prefill a target-only run of the prompt makes), and only its
+decode-sized rows join the packed forward. Chunking a long prompt would change its last
+row and with it greedy equality, so no chunked prefill is offered.
 """
 
 from __future__ import annotations
@@ -30,31 +26,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specdec.engine.attention import PACKABLE, PACKING_KWARG, PackedBatch
 from specdec.engine.eagle3 import is_eagle3_draft
-from specdec.engine.extend import ExtendRequest, ExtendResult, Session
+from specdec.engine.extend import (
+    FUSED_STEP_ATTRIBUTE,
+    ExtendRequest,
+    ExtendResult,
+    FusedForward,
+    Session,
+)
 from specdec.engine.hidden_states import Capture, capture_keys, check_layers, state_reader
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.vocab import VocabAdapter
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
-
-# Where a backend leaves a model's decode-sized forward of its own (a FusedForward; the
-# cpu-tuned backend's specdec.engine.fused_step), which the runner then calls for
-# decode-sized forwards that capture no states.
-FUSED_STEP_ATTRIBUTE = "specdec_fused_step"
-
-
-class FusedForward(Protocol):
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any,
-                 logits_to_keep: int | torch.Tensor, attention_mask: torch.Tensor | None,
-                 attention_kwargs: dict[str, Any] | None) -> torch.Tensor:
-        """Logits [1, kept rows, vocab], the bits the model's own forward gives."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -119,10 +108,8 @@ class ModelRunner:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.RLock()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # The model's decode-sized forward without transformers' module stack, where the
-        # backend installed one (specdec.engine.fused_step; its logits are the same bits).
-        step = getattr(model, FUSED_STEP_ATTRIBUTE, None)
-        self._fused_step: FusedForward | None = step if callable(step) else None
+        # A backend's decode-sized forward of the model (same bits; specdec.engine.fused_step).
+        self._fused_step: FusedForward | None = getattr(model, FUSED_STEP_ATTRIBUTE, None)
         # How the model reads hidden states (None: it reads tokens only).
         self.hidden_reader = state_reader(model)
         self.needs_target_hidden = self.hidden_reader is not None
@@ -592,12 +579,11 @@ class ModelRunner:
             kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
-        if (self._fused_step is not None and not capture_keys and target_hidden is None
-                and (PACKING_KWARG in kwargs or len(tokens) <= DECODE_ROWS)):
-            extra_kwargs = {PACKING_KWARG: kwargs[PACKING_KWARG]} if PACKING_KWARG in kwargs \
-                else None
+        packing = {PACKING_KWARG: kwargs[PACKING_KWARG]} if PACKING_KWARG in kwargs else None
+        if self._fused_step is not None and not capture_keys and target_hidden is None \
+                and (packing or len(tokens) <= DECODE_ROWS):
             return self._fused_step(ids, positions, cache, logits_to_keep, attention_mask,
-                                    extra_kwargs)[0], None
+                                    packing)[0], None
         # The final norm and the layers see every position, the LM head the kept rows.
         capture = Capture(self.model, capture_keys) if capture_keys else None
         try:
