@@ -1,4 +1,4 @@
-"""The target's decode-sized forward without transformers' module stack.
+"""Decode-sized forwards of an int8 Llama without transformers' module stack.
 
 On a CPU a one-token step of the target spends about a third of its time outside its
 matrix products: module calls, keyword plumbing, mask building, output records, and
@@ -37,7 +37,7 @@ from torch import nn
 
 from specdec.engine.attention import ROWWISE_NAME, rowwise_sdpa_forward
 from specdec.engine.extend import FUSED_STEP_ATTRIBUTE
-from specdec.engine.int8 import BLOCK, Int8Linear
+from specdec.engine.int8 import BLOCK, Int8Linear, int8_product
 from specdec.settings import FUSED_STEP_CHOICES
 
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -54,9 +54,7 @@ class _Product:
     bias: torch.Tensor | None
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.specdec.int8_linear(input.to(torch.bfloat16), self.codes, self.scales,
-                                            self.offsets, self.bias)
-        return out if input.dtype == torch.bfloat16 else out.to(input.dtype)
+        return int8_product(input, self.codes, self.scales, self.offsets, self.bias)
 
 
 def _fuse(layers: Sequence[Int8Linear]) -> list[_Product]:
@@ -116,11 +114,8 @@ class _Layer:
 def fits(model: nn.Module) -> str | None:
     """Why the fused step cannot run this model (None: it can)."""
     config = getattr(model, "config", None)
-    architectures = tuple(getattr(config, "architectures", None) or ())
     if type(model).__name__ not in ARCHITECTURES:
         return f"a {type(model).__name__}, not one of {', '.join(ARCHITECTURES)}"
-    if architectures and not set(architectures) & set(ARCHITECTURES):
-        return f"architecture {architectures[0]}"
     implementation = getattr(config, "_attn_implementation", None)
     if implementation != ROWWISE_NAME:
         return f"attention {implementation}, not the rowwise kernel"
@@ -175,7 +170,7 @@ class FusedStep:
                 logits_to_keep: int | torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
                 attention_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
-        """The logits [kept rows, vocab] of input_ids [1, rows] at position_ids over
+        """The logits [1, kept rows, vocab] of input_ids [1, rows] at position_ids over
         cache (a transformers Cache, or a PackedBatch with its kwarg in
         attention_kwargs), as LlamaForCausalLM's forward computes them; the kept rows:
         the last logits_to_keep (an int), or these row indices."""

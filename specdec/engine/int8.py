@@ -131,6 +131,13 @@ def supports(linear: nn.Linear) -> bool:
     return linear.in_features % GROUP == 0 and linear.out_features % BLOCK == 0
 
 
+def int8_product(input: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 offsets: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """input @ w^T (+ bias) for int8_pack's operands, in bfloat16, returned in input's dtype."""
+    out = torch.ops.specdec.int8_linear(input.to(torch.bfloat16), codes, scales, offsets, bias)
+    return out if input.dtype == torch.bfloat16 else out.to(input.dtype)
+
+
 class Int8Linear(nn.Module):
     """A linear layer on int8 weights (inference only; buffers, no parameters)."""
 
@@ -156,9 +163,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.specdec.int8_linear(input.to(torch.bfloat16), self.codes, self.scales,
-                                            self.offsets, self.bias)
-        return out if input.dtype == torch.bfloat16 else out.to(input.dtype)
+        return int8_product(input, self.codes, self.scales, self.offsets, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

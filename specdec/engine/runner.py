@@ -579,9 +579,9 @@ class ModelRunner:
             kwargs["target_hidden"] = target_hidden.to(self.device).unsqueeze(0)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
-        packing = {PACKING_KWARG: kwargs[PACKING_KWARG]} if PACKING_KWARG in kwargs else None
         if self._fused_step is not None and not capture_keys and target_hidden is None \
-                and (packing or len(tokens) <= DECODE_ROWS):
+                and (PACKING_KWARG in kwargs or len(tokens) <= DECODE_ROWS):
+            packing = {PACKING_KWARG: kwargs[PACKING_KWARG]} if PACKING_KWARG in kwargs else None
             return self._fused_step(ids, positions, cache, logits_to_keep, attention_mask,
                                     packing)[0], None
         # The final norm and the layers see every position, the LM head the kept rows.
