@@ -141,8 +141,8 @@ class LocalStack:
 
         self.args = args
         serve = [sys.executable, "-m", "specdec.cli", "serve"]
-        # Each draft/target pair gets its share of the cores, split as `specdec up`
-        # splits them, unless --serve-arg or SPECDEC_TORCH_THREADS sets the threads.
+        # Each draft/target pair gets its share of the cores, given to both as `specdec
+        # up` gives them, unless --serve-arg or SPECDEC_TORCH_THREADS sets the threads.
         threads = split_threads(args.serve_arg, {}, env,
                                 max(1, host_cpus() // args.replicas))
         self.processes: list[Process] = []
