@@ -69,7 +69,7 @@ class BenchSettings:
     # torch.compile of the draft's forward (specdec.engine.draft_compile). hf-assisted runs a
     # copy of its own, eager, for a draft with a reduced vocabulary (the default draft).
     draft_compile: str = "auto"
-    fused_step: str = "auto"  # the target's (specdec.engine.fused_step)
+    fused_step: str = "auto"  # the target's and draft's (specdec.engine.fused_step)
     # Threads of each service process (0 = torch default, as `specdec up`); with forwards
     # on one compute thread and a short OpenMP spin, 2 beat 1 here (specdec/serving/stack.py).
     grpc_torch_threads: int = 0

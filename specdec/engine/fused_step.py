@@ -8,8 +8,10 @@ the computation of transformers' LlamaForCausalLM forward op for op, with
   operator sums an output in an order fixed by the layer's input width alone, so each
   output gets the bits its own layer gives it (the layers' buffers become views of the
   fused ones: no second copy of the weights);
-- no module calls and no mask building: a chain is causal, and a token tree's mask or a
-  packed batch's layout goes to the rowwise attention kernel as transformers passes it;
+- transformers' own RMSNorm forward and rotary function, called directly, without the
+  decoder layers' module calls and keyword plumbing;
+- no mask building: a chain is causal, and a token tree's mask or a packed batch's
+  layout goes to the rowwise attention kernel as transformers passes it;
 - the final norm and the LM head on the kept rows only (both act row by row), the head
   in whatever kernel the model has it.
 
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.engine.attention import ROWWISE_NAME, rowwise_sdpa_forward
 from specdec.engine.extend import FUSED_STEP_ATTRIBUTE
@@ -79,20 +82,6 @@ def _fuse(layers: Sequence[Int8Linear]) -> list[_Product]:
             layer.bias = product.bias[row:row + count]
         row += count
     return [product]
-
-
-def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """LlamaRMSNorm's forward, op for op."""
-    dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * hidden.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -177,11 +166,10 @@ class FusedStep:
         kwargs = attention_kwargs or {}
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         batch, rows = input_ids.shape
         for index, layer in enumerate(self.layers):
             residual = hidden
-            normed = _rms_norm(layer.input_norm, hidden)
+            normed = layer.input_norm.forward(hidden)
             shape = (batch, rows, -1, layer.head_dim)
             parts = [product(normed) for product in layer.qkv]
             query, key, value = (parts[0].split(layer.widths, dim=-1) if len(parts) == 1
@@ -189,8 +177,7 @@ class FusedStep:
             query = query.view(shape).transpose(1, 2)
             key = key.view(shape).transpose(1, 2)
             value = value.view(shape).transpose(1, 2)
-            query = (query * cos) + (_rotate_half(query) * sin)
-            key = (key * cos) + (_rotate_half(key) * sin)
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
             key, value = cache.update(key, value, index)
             attended, _ = rowwise_sdpa_forward(layer.attention, query, key, value,
                                                attention_mask, dropout=0.0,
@@ -198,7 +185,7 @@ class FusedStep:
             attended = attended.reshape(batch, rows, -1).contiguous()
             hidden = residual + layer.output(attended)
             residual = hidden
-            normed = _rms_norm(layer.post_norm, hidden)
+            normed = layer.post_norm.forward(hidden)
             if len(layer.gate_up) == 1:
                 gate, up = layer.gate_up[0](normed).split(layer.intermediate, dim=-1)
             else:
@@ -208,7 +195,7 @@ class FusedStep:
             hidden = residual + layer.down(layer.act(gate.contiguous()) * up)
         kept = (hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int)
                 else hidden[:, logits_to_keep])
-        return self.lm_head(_rms_norm(self.norm, kept))
+        return self.lm_head(self.norm.forward(kept))
 
 
 def install(model: nn.Module, setting: str) -> str:

@@ -269,13 +269,13 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
       for (int64_t m0 = 0; m0 < M;) {
         // Rows share each decoded weight vector: four, two or one at a time. Each row's
         // sums run in the same order whichever group it is computed in.
-        const int64_t rows = M - m0 >= 4 ? 4 : std::min<int64_t>(2, M - m0);
+        const int64_t rows = M - m0 >= BLOCK_M ? BLOCK_M : std::min<int64_t>(2, M - m0);
         const uint16_t* xrow = packed_x.data() + m0 * K;
         const float* sums = lane_sums.data() + m0 * count * LANES;
         const float* block_scales = sp + n0 * count * LANES;
         const float* block_offsets = op + n0 * count * LANES;
-        if (rows == 4)
-          dot_block<4>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
+        if (rows == BLOCK_M)
+          dot_block<BLOCK_M>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
         else if (rows == 2)
           dot_block<2>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
         else
