@@ -114,15 +114,88 @@ def _rowwise_mismatches(contexts: range, rows: int) -> int:
     return mismatches
 
 
-def test_rowwise_rows_equal_their_one_row_calls_bit_for_bit(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Every chain row gets the call a one-row decode makes; the control (every chain row
-    in one masked call) shows that SDPA's bits depend on the call's key count, so the
-    comparison can fail."""
+@pytest.mark.parametrize("native", [True, False], ids=["operator", "sdpa-calls"])
+def test_rowwise_rows_equal_their_one_row_calls_bit_for_bit(monkeypatch, native: bool) -> None:  # type: ignore[no-untyped-def]
+    """Every row gets the bits a one-row decode of it gets, from the C++ operator and from
+    its SDPA fallback; the control (every chain row in one masked SDPA call) shows that
+    SDPA's bits depend on the call's key count, so the comparison can fail."""
+    if native:
+        assert attention.native_rowwise_attention() is not None
+    else:
+        monkeypatch.setattr(attention, "_native_state", [None])
     contexts = range(1, 70)
     assert _rowwise_mismatches(contexts, rows=9) == 0
-    monkeypatch.setattr(attention, "KEY_BLOCK", 4096)
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        assert _rowwise_mismatches(contexts, rows=9) > 0
+    if not native:
+        monkeypatch.setattr(attention, "KEY_BLOCK", 4096)
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+            assert _rowwise_mismatches(contexts, rows=9) > 0
+
+
+def _tree_inputs(context: int, rows: int = 6) -> tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor]:
+    """bfloat16 query, keys, values and a mask of chain rows, then two token-tree rows
+    whose ancestors sit out of order among the new keys."""
+    torch.manual_seed(context)
+    kv_length = context + rows
+    query = torch.randn(1, HEADS, rows, 64).bfloat16()
+    key, value = (3 * torch.randn(2, 1, KV_HEADS, kv_length, 64)).bfloat16().unbind(0)
+    mask = _causal_tail_mask(rows, kv_length).clone()
+    mask[0, 0, rows - 2:] = False
+    mask[0, 0, rows - 2, :context + 1] = True  # a sibling of the chain's second token
+    mask[0, 0, rows - 2, context + rows - 2] = True
+    mask[0, 0, rows - 1] = mask[0, 0, rows - 2]  # and its child
+    mask[0, 0, rows - 1, context + rows - 1] = True
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("context", [1, 17, 130])
+def test_the_rowwise_operator_computes_attention(context: int) -> None:
+    """Each row, chain or tree, against float32 attention over its visible keys: within
+    what rounding the inputs and the result to bfloat16 allows (SDPA's own bfloat16
+    result is held to the same bound)."""
+    assert attention.native_rowwise_attention() is not None
+    module = types.SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True)
+    query, key, value, mask = _tree_inputs(context)
+    out, _ = rowwise_sdpa_forward(module, query, key, value, mask, scaling=0.125)
+    expected, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
+                                         mask, scaling=0.125)
+    sdpa, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)
+    bound = 2 * float((sdpa.float() - expected).abs().max()) + 1e-2
+    assert float((out.float() - expected).abs().max()) <= bound
+    # A row that misses half its prefix is off by more than that.
+    wrong = mask.clone()
+    wrong[0, 0, -1, :max(1, context // 2)] = False
+    off, _ = rowwise_sdpa_forward(module, query, key, value, wrong, scaling=0.125)
+    assert float((off[:, -1].float() - expected[:, -1]).abs().max()) > bound
+
+
+def test_the_rowwise_operator_gives_the_same_bits_on_any_thread_count() -> None:
+    assert attention.native_rowwise_attention() is not None
+    module = types.SimpleNamespace(num_key_value_groups=HEADS // KV_HEADS, is_causal=True)
+    query, key, value, mask = _tree_inputs(90)
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(rowwise_sdpa_forward(module, query, key, value, mask,
+                                                scaling=0.125)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+def test_the_rowwise_operator_refuses_keys_past_the_cache() -> None:
+    native = attention.native_rowwise_attention()
+    assert native is not None
+    query = torch.randn(HEADS, 1, 64).bfloat16()
+    key = value = torch.randn(KV_HEADS, 10, 64).bfloat16()
+    none = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="keys past the cache"):
+        native(query, key, value, torch.tensor([11]), none, torch.tensor([0]), 0.125)
+    with pytest.raises(RuntimeError, match="names a key past the cache"):
+        native(query, key, value, torch.tensor([3]), torch.tensor([[10]]), torch.tensor([1]),
+               0.125)
 
 
 def test_auto_resolves_by_device() -> None:

@@ -21,11 +21,18 @@ decode-sized call (1 to DECODE_ROWS rows) computes each row alone, over exactly 
 visible keys: the call a one-row decode of that token makes. A row's output is then the
 same whichever forward it was part of.
 
-One call per row costs an SDPA call per extra row per layer of a verification (the
-grouped kernel stays flat). Rows whose visible-key counts share a block of KEY_BLOCK
-keys may share one masked call over the block's longest prefix, but whether a masked
-call over L >= n keys gives a row with n visible keys the same bits as a call over
-exactly n keys depends on the CPU's SDPA kernel: on some hosts it holds within a vector
+In bfloat16 on a CPU the calls go to a C++ operator of ours instead
+(csrc/rowwise_attention.cpp, `torch.ops.specdec.rowwise_attention`, built on first use
+like the int8 product): one call per layer for all of a sequence's rows, each row over
+exactly its visible keys in a fixed order, so each row gets the same bits in any forward
+by construction. Where the operator cannot build (no C++ compiler) the rows take SDPA
+calls as below, with the same guarantee and other bits.
+
+With SDPA, one call per row costs an SDPA call per extra row per layer of a
+verification (the grouped kernel stays flat). Rows whose visible-key counts share a
+block of KEY_BLOCK keys may share one masked call over the block's longest prefix, but
+whether a masked call over L >= n keys gives a row with n visible keys the same bits as
+a call over exactly n keys depends on the CPU's SDPA kernel: on some hosts it holds within a vector
 width of keys, on others (AMD EPYC with AVX-512 here) only for L == n. KEY_BLOCK = 1
 therefore gives every chain row its own call, which is invariant on any CPU;
 tests/test_attention.py checks the result bit for bit on the machine it runs on. A
@@ -38,7 +45,9 @@ calls above over that session's keys alone, so batching changes no row's attenti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +59,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec.engine.shapes import DECODE_ROWS
+
+log = logging.getLogger(__name__)
 
 NAME = "specdec_grouped_sdpa"
 ROWWISE_NAME = "specdec_rowwise_sdpa"
@@ -117,14 +128,52 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return _rowwise_calls(query, key, value, plan, dropout, scaling), None
 
 
+_native_state: list[Callable[..., torch.Tensor] | None] = []  # [] until first asked
+_native_lock = threading.Lock()
+
+
+def native_rowwise_attention() -> Callable[..., torch.Tensor] | None:
+    """The C++ rowwise attention operator, built or loaded on first call; None where it
+    cannot build here (logged once), and the rows then take SDPA calls."""
+    if _native_state:
+        return _native_state[0]
+    with _native_lock:
+        if not _native_state:
+            from specdec.engine.cpu_operators import build
+
+            operator: Callable[..., torch.Tensor] | None = None
+            try:
+                build("specdec_rowwise_attention", "rowwise_attention.cpp")
+                operator = torch.ops.specdec.rowwise_attention
+            except Exception as error:  # a missing compiler raises several types
+                log.warning("rowwise attention: its C++ operator failed to build (%s: %s); "
+                            "each row takes an SDPA call of its own instead",
+                            type(error).__name__, str(error).strip().splitlines()[-1][:300])
+            _native_state.append(operator)
+    return _native_state[0]
+
+
+def _native_runs(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+    return (query.device.type == "cpu" and query.dtype == key.dtype == torch.bfloat16
+            and dropout == 0.0 and query.shape[0] == 1)
+
+
 def _rowwise_calls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   plan: list[_RowCall], dropout: float, scaling: float | None) -> torch.Tensor:
-    """The rowwise kernel's SDPA calls for one sequence's rows (a plan of _row_calls)."""
+                   plan: RowPlan, dropout: float, scaling: float | None) -> torch.Tensor:
+    """The rowwise kernel for one sequence's rows (a RowPlan): the C++ operator where it
+    runs, else the plan's SDPA calls."""
     batch, heads, q_length, head_dim = query.shape
+    if _native_runs(query, key, dropout):
+        native = native_rowwise_attention()
+        if native is not None:
+            scale = head_dim ** -0.5 if scaling is None else scaling
+            out = native(query[0], key[0], value[0], plan.prefixes, plan.extras,
+                         plan.extra_counts, float(scale))
+            return out.unsqueeze(0)  # (B, q, H, D), as transformers expects
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     out = query.new_empty(batch, q_length, heads, value.shape[-1])
-    for call in plan:
+    for call in plan.calls:
         if call.slots is not None and call.rows is not None:
             # Rows that see as many keys, each its own (a token-tree row: the prefix, then
             # its path in order): one call, a batch entry per row, which gives every entry
@@ -173,6 +222,29 @@ class _RowCall:
     slots: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """How the rowwise kernel computes one sequence's rows: the SDPA calls, and the same
+    visible keys as the C++ operator takes them (per row: the leading keys [0, prefix),
+    then extra_counts[row] keys of extras[row], in order)."""
+
+    calls: list[_RowCall]
+    prefixes: torch.Tensor  # (rows,) int64
+    extras: torch.Tensor  # (rows, most extras) int64, zero-padded
+    extra_counts: torch.Tensor  # (rows,) int64
+
+
+def _plan(visible: list[tuple[int, tuple[int, ...]]], groups: int,
+          device: torch.device) -> RowPlan:
+    width = max(len(extras) for _, extras in visible)
+    extras = torch.zeros(len(visible), width, dtype=torch.long)
+    for row, (_, row_extras) in enumerate(visible):
+        extras[row, :len(row_extras)] = torch.tensor(row_extras, dtype=torch.long)
+    return RowPlan(_row_calls(visible, groups, device),
+                   torch.tensor([prefix for prefix, _ in visible], dtype=torch.long),
+                   extras, torch.tensor([len(e) for _, e in visible], dtype=torch.long))
+
+
 def _row_calls(visible: list[tuple[int, tuple[int, ...]]], groups: int,
                device: torch.device) -> list[_RowCall]:
     """Token-tree rows, with the chain rows that see as many keys, in one batched call per
@@ -214,11 +286,11 @@ def _row_calls(visible: list[tuple[int, tuple[int, ...]]], groups: int,
 
 
 # Every layer of a forward gets the same mask object; its plan is worked out once per forward.
-_last_plan: tuple[torch.Tensor | None, tuple[Any, ...], list[_RowCall] | None] = (None, (), None)
+_last_plan: tuple[torch.Tensor | None, tuple[Any, ...], RowPlan | None] = (None, (), None)
 
 
 def _row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: int,
-              device: torch.device) -> list[_RowCall] | None:
+              device: torch.device) -> RowPlan | None:
     """The rowwise kernel's calls for this forward; None when some row sees keys in a
     pattern it does not handle (the caller falls back to transformers' SDPA)."""
     global _last_plan
@@ -232,7 +304,7 @@ def _row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: 
 
 
 def row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: int,
-             device: torch.device) -> list[_RowCall] | None:
+             device: torch.device) -> RowPlan | None:
     """The rowwise kernel's calls for q_length query rows at the end of kv_length keys
     under mask (None: causal); None for a pattern it does not handle."""
     if mask is None:  # causal, with the queries at the end of the keys
@@ -240,7 +312,7 @@ def row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: i
             (kv_length - q_length + row + 1, ()) for row in range(q_length)]
     else:
         visible = _mask_patterns(mask, q_length, kv_length)
-    return None if visible is None else _row_calls(visible, groups, device)
+    return None if visible is None else _plan(visible, groups, device)
 
 
 def _mask_patterns(mask: torch.Tensor, q_length: int, kv_length: int
@@ -291,7 +363,7 @@ class PackedBatch:
             self.bounds.append((start, start + count))
             start += count
         self._layer: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._plans: dict[int, list[_RowCall] | None] = {}
+        self._plans: dict[int, RowPlan | None] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,7 +392,7 @@ class PackedBatch:
         return torch.cat(outputs, dim=1), None
 
     def _plan(self, index: int, q_length: int, kv_length: int, module: nn.Module
-              ) -> list[_RowCall] | None:
+              ) -> RowPlan | None:
         # Every layer sees the same rows and key counts: one plan per sequence and forward.
         if index not in self._plans:
             groups = int(getattr(module, "num_key_value_groups", 1))

@@ -23,16 +23,14 @@ it like the bfloat16 kernel's.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
 import threading
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from specdec.engine.cpu_operators import build, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +39,13 @@ BLOCK = 4  # outputs the operator computes together: a layer needs a multiple of
 # Codes 0..120 (128 + code is exact in bfloat16 up to code 127): 120 steps per group
 # hold a 16-level block (a GGUF Q4_1 block) exactly, at 8 codes a level.
 LEVELS = 120
-SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_linear.cpp"
+SOURCE = "int8_linear.cpp"  # in csrc/
 _loaded = False
 _lock = threading.Lock()
 
 
 class Int8KernelError(RuntimeError):
     """The int8 operator could not be built or loaded here."""
-
-
-def kernel_cache_dir() -> Path:
-    """Where the compiled operator is kept: TORCH_EXTENSIONS_DIR when set, else
-    $XDG_CACHE_HOME/specdec/kernels, one folder per torch version and CPU (it is built
-    for the CPU it runs on)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "specdec", "kernels")
-    return Path(root) / f"torch-{torch.__version__}-{_cpu_key()}"
-
-
-def _cpu_key() -> str:
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        pass
-    text = f"{platform.machine()} {platform.processor()} {flags}"
-    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
 def load_operator() -> None:
@@ -78,20 +55,13 @@ def load_operator() -> None:
     with _lock:
         if _loaded:
             return
-        from torch.utils.cpp_extension import load
-
-        build_dir = kernel_cache_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         try:
-            # -fopenmp: at::parallel_for splits the outputs over torch's threads (the
-            # process's one OpenMP runtime, loaded with torch, serves it).
-            load("specdec_int8_linear", [str(SOURCE)], build_directory=str(build_dir),
-                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            build_dir = build("specdec_int8_linear", SOURCE)
         except Exception as error:  # a missing compiler raises several types
             raise Int8KernelError(
-                f"--dtype int8 needs its CPU operator, which failed to build in {build_dir}: "
+                f"--dtype int8 needs its CPU operator, which failed to build in "
+                f"{kernel_cache_dir()}: "
                 f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}; "
                 "install a C++ compiler (g++), or use --dtype bfloat16") from error
         torch.library.register_fake("specdec::int8_linear")(_fake_int8_linear)

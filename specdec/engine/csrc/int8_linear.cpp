@@ -41,7 +41,7 @@ namespace {
 constexpr int64_t GROUP = 32;    // inputs per scale and offset; one vector step
 constexpr int64_t LANES = 16;    // float32 lanes of a vector
 constexpr int64_t BLOCK_N = 4;   // outputs decoded and computed together
-constexpr int64_t BLOCK_M = 4;   // at most this many rows computed together
+constexpr int64_t BLOCK_M = 6;   // at most this many rows computed together
 
 struct SuperBlock {
   int64_t first_step;  // = first group
@@ -125,15 +125,15 @@ inline __m512bh load_bf16(const uint16_t* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
 
-// RM rows x BLOCK_N outputs over every super-block; out[i * BLOCK_N + j].
+// RM rows x BLOCK_N outputs over every super-block; out[i * BLOCK_N + j]. A super-block's
+// dot products stay in registers (RM * BLOCK_N of them); the running sums across
+// super-blocks wait in L1 (acc), so up to BLOCK_M rows share each decoded weight vector.
 template <int RM>
 void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
                const std::vector<SuperBlock>& blocks, const uint16_t* w, const float* scales,
                const float* offsets, float* out) {
   const int64_t count = static_cast<int64_t>(blocks.size());
-  __m512 acc[RM][BLOCK_N];
-  for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < BLOCK_N; ++j) acc[i][j] = _mm512_setzero_ps();
+  alignas(64) float acc[RM][BLOCK_N][LANES] = {};
   for (int64_t b = 0; b < count; ++b) {
     __m512 part[RM][BLOCK_N];
     for (int i = 0; i < RM; ++i)
@@ -151,14 +151,15 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
       const __m512 s = _mm512_loadu_ps(scales + (j * count + b) * LANES);
       const __m512 o = _mm512_loadu_ps(offsets + (j * count + b) * LANES);
       for (int i = 0; i < RM; ++i) {
-        acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(o, _mm512_loadu_ps(x_lane_sums + (i * count + b) * LANES),
-                                    acc[i][j]);
+        __m512 a = _mm512_fmadd_ps(part[i][j], s, _mm512_load_ps(acc[i][j]));
+        a = _mm512_fmadd_ps(o, _mm512_loadu_ps(x_lane_sums + (i * count + b) * LANES), a);
+        _mm512_store_ps(acc[i][j], a);
       }
     }
   }
   for (int i = 0; i < RM; ++i)
-    for (int j = 0; j < BLOCK_N; ++j) out[i * BLOCK_N + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < BLOCK_N; ++j)
+      out[i * BLOCK_N + j] = _mm512_reduce_add_ps(_mm512_load_ps(acc[i][j]));
 }
 #else
 // Any other CPU: the same sums lane by lane in float32.
@@ -267,19 +268,24 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
         }
       const int64_t n0 = nb * BLOCK_N;
       for (int64_t m0 = 0; m0 < M;) {
-        // Rows share each decoded weight vector: four, two or one at a time. Each row's
-        // sums run in the same order whichever group it is computed in.
-        const int64_t rows = M - m0 >= BLOCK_M ? BLOCK_M : std::min<int64_t>(2, M - m0);
+        // Up to BLOCK_M rows share each decoded weight vector, the rows split into
+        // passes as even as they go. Each row's sums run in the same order whichever
+        // pass it is computed in.
+        const int64_t left = M - m0;
+        const int64_t passes = (left + BLOCK_M - 1) / BLOCK_M;
+        const int64_t rows = (left + passes - 1) / passes;
         const uint16_t* xrow = packed_x.data() + m0 * K;
         const float* sums = lane_sums.data() + m0 * count * LANES;
         const float* block_scales = sp + n0 * count * LANES;
         const float* block_offsets = op + n0 * count * LANES;
-        if (rows == BLOCK_M)
-          dot_block<BLOCK_M>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
-        else if (rows == 2)
-          dot_block<2>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
-        else
-          dot_block<1>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots);
+        switch (rows) {
+          case 6: dot_block<6>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
+          case 5: dot_block<5>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
+          case 4: dot_block<4>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
+          case 3: dot_block<3>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
+          case 2: dot_block<2>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
+          default: dot_block<1>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
+        }
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j < BLOCK_N; ++j) {
             float value = dots[i * BLOCK_N + j];

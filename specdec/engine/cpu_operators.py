@@ -1,0 +1,55 @@
+"""Small C++ operators of our own (csrc/), compiled on first use for this machine's CPU.
+
+torch's cpp_extension builds each with the machine's C++ compiler (-O3 -march=native,
+OpenMP through torch's own runtime) into a cache folder per torch version and CPU, so a
+later start loads it in well under a second. specdec.engine.int8 (the int8 product) and
+specdec.engine.attention (the rowwise attention) each load theirs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled operators are kept: TORCH_EXTENSIONS_DIR when set, else
+    $XDG_CACHE_HOME/specdec/kernels, one folder per torch version and CPU (each is built
+    for the CPU it runs on)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "specdec", "kernels")
+    return Path(root) / f"torch-{torch.__version__}-{_cpu_key()}"
+
+
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        pass
+    text = f"{platform.machine()} {platform.processor()} {flags}"
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
+def build(name: str, source: str) -> Path:
+    """Compile (or load the cached build of) csrc/<source> as the extension `name`, which
+    registers its operators under torch.ops.specdec; returns the build folder. Raises
+    whatever the build raises (a missing compiler, a compile error)."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = kernel_cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # -fopenmp: at::parallel_for splits the work over torch's threads (the process's one
+    # OpenMP runtime, loaded with torch, serves it).
+    load(name, [str(CSRC / source)], build_directory=str(build_dir),
+         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
+    return build_dir
