@@ -3,7 +3,8 @@
 Each stack runs the same pair on its own ports with the environment given for it
 (settings are SPECDEC_* variables, e.g. SPECDEC_TRACING=off). Requests go to the stacks
 in turn (only one stack works at a time), k=0 and the default speculation, over the
-same prompts, so a drifting VM slows every stack alike; ratios are paired per request.
+same prompts, each stack first in turn, so a drifting VM slows every stack alike; ratios
+are paired per request.
 Output: markdown on stdout.
 
     .venv/bin/python scripts/compare_stacks.py tracing-on: tracing-off:SPECDEC_TRACING=off
@@ -75,12 +76,18 @@ def main() -> None:
             generate(stub, PROMPTS[0], False)
             generate(stub, PROMPTS[0], True)
         rates: dict[tuple[str, bool], list[float]] = {}
+        names = list(stubs)
+        turn = 0
         for _ in range(args.rounds):
             for prompt in PROMPTS:
+                # Each stack goes first in turn, prompt by prompt: a request right after
+                # another stack's may find the machine busier (exports, spinning threads).
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                turn += 1
                 for speculative in (False, True):
-                    for name, stub in stubs.items():
+                    for name in order:
                         rates.setdefault((name, speculative), []).append(
-                            generate(stub, prompt, speculative))
+                            generate(stubs[name], prompt, speculative))
         base = next(iter(stubs))
         print("| stack | mode | tokens/s (median) | x the first, paired median |")
         print("|---|---|---|---|")
