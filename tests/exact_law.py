@@ -22,13 +22,18 @@ from specdec.core.sampling import SamplingParams, process_logits
 @torch.inference_mode()
 def target_law(model: torch.nn.Module, prompt: Sequence[int], params: SamplingParams,
                length: int) -> dict[tuple[int, ...], float]:
-    """P(x1..xn | prompt) under the processed target distribution, by enumeration."""
+    """P(x1..xn | prompt) under the processed target distribution, by enumeration.
+
+    One forward per prefix: a batch would take other kernels (the rowwise attention
+    runs one sequence at a time), whose last bits can move a top-k or top-p cut at a
+    near-tie; one sequence alone gets the bits the served target computes."""
     vocab = int(model.config.vocab_size)
     law: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
         prefixes = [p for p, mass in law.items() if mass > 0]
-        ids = torch.tensor([list(prompt) + list(p) for p in prefixes])
-        probs = process_logits(model(input_ids=ids).logits[:, -1], params).double()
+        logits = torch.cat([model(input_ids=torch.tensor([list(prompt) + list(p)])).logits[:, -1]
+                            for p in prefixes])
+        probs = process_logits(logits, params).double()
         law = {prefix + (token,): law[prefix] * float(probs[row, token])
                for row, prefix in enumerate(prefixes) for token in range(vocab)}
     return law
