@@ -49,6 +49,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -224,14 +225,20 @@ class _RowCall:
 
 @dataclass(frozen=True)
 class RowPlan:
-    """How the rowwise kernel computes one sequence's rows: the SDPA calls, and the same
-    visible keys as the C++ operator takes them (per row: the leading keys [0, prefix),
-    then extra_counts[row] keys of extras[row], in order)."""
+    """Which keys each of one sequence's rows sees (its leading keys [0, prefix), then
+    extra_counts[row] keys of extras[row], in order), as the C++ operator takes them;
+    the SDPA calls for the same rows are worked out only where they run."""
 
-    calls: list[_RowCall]
+    visible: list[tuple[int, tuple[int, ...]]]
+    groups: int
+    device: torch.device
     prefixes: torch.Tensor  # (rows,) int64
     extras: torch.Tensor  # (rows, most extras) int64, zero-padded
     extra_counts: torch.Tensor  # (rows,) int64
+
+    @cached_property
+    def calls(self) -> list[_RowCall]:
+        return _row_calls(self.visible, self.groups, self.device)
 
 
 def _plan(visible: list[tuple[int, tuple[int, ...]]], groups: int,
@@ -240,7 +247,7 @@ def _plan(visible: list[tuple[int, tuple[int, ...]]], groups: int,
     extras = torch.zeros(len(visible), width, dtype=torch.long)
     for row, (_, row_extras) in enumerate(visible):
         extras[row, :len(row_extras)] = torch.tensor(row_extras, dtype=torch.long)
-    return RowPlan(_row_calls(visible, groups, device),
+    return RowPlan(visible, groups, device,
                    torch.tensor([prefix for prefix, _ in visible], dtype=torch.long),
                    extras, torch.tensor([len(e) for _, e in visible], dtype=torch.long))
 

@@ -100,7 +100,7 @@ at::Tensor rowwise_attention(const at::Tensor& query, const at::Tensor& key,
   const float scale_f = static_cast<float>(scale);
   // One task per (row, key/value head): its query heads share each widened key and value.
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(groups * dim), kv(dim), acc(groups * dim);
+    std::vector<float> q(groups * dim), kv(dim), acc(groups * dim), sums(groups);
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h_kv = task % kv_heads;
@@ -115,7 +115,6 @@ at::Tensor rowwise_attention(const at::Tensor& query, const at::Tensor& key,
         for (int64_t g = 0; g < groups; ++g)
           scores[g * count + j] = dot(q.data() + g * dim, kv.data(), dim) * scale_f;
       }
-      std::vector<float> sums(groups, 0.0f);
       for (int64_t g = 0; g < groups; ++g) {
         float* s = scores.data() + g * count;
         float top = -std::numeric_limits<float>::infinity();
