@@ -140,16 +140,16 @@ def native_rowwise_attention() -> Callable[..., torch.Tensor] | None:
         return _native_state[0]
     with _native_lock:
         if not _native_state:
-            from specdec.engine.cpu_operators import build
+            from specdec.engine.cpu_operators import build, failure_summary
 
             operator: Callable[..., torch.Tensor] | None = None
             try:
                 build("specdec_rowwise_attention", "rowwise_attention.cpp")
                 operator = torch.ops.specdec.rowwise_attention
             except Exception as error:  # a missing compiler raises several types
-                log.warning("rowwise attention: its C++ operator failed to build (%s: %s); "
+                log.warning("rowwise attention: its C++ operator failed to build (%s); "
                             "each row takes an SDPA call of its own instead",
-                            type(error).__name__, str(error).strip().splitlines()[-1][:300])
+                            failure_summary(error))
             _native_state.append(operator)
     return _native_state[0]
 

@@ -53,3 +53,10 @@ def build(name: str, source: str) -> Path:
          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     return build_dir
+
+
+def failure_summary(error: BaseException) -> str:
+    """A failed build's cause in one line: its type and the last line of its message (a
+    compiler's output ends with the error that stopped it)."""
+    lines = str(error).strip().splitlines() or [""]
+    return f"{type(error).__name__}: {lines[-1][:300]}"

@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-from specdec.engine.cpu_operators import build, kernel_cache_dir
+from specdec.engine.cpu_operators import build, failure_summary, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ BLOCK = 4  # outputs the operator computes together: a layer needs a multiple of
 # hold a 16-level block (a GGUF Q4_1 block) exactly, at 8 codes a level.
 LEVELS = 120
 SOURCE = "int8_linear.cpp"  # in csrc/
+EXTENSION = "specdec_int8_linear"
 _loaded = False
 _lock = threading.Lock()
 
@@ -57,12 +58,11 @@ def load_operator() -> None:
             return
         started = time.perf_counter()
         try:
-            build_dir = build("specdec_int8_linear", SOURCE)
+            build_dir = build(EXTENSION, SOURCE)
         except Exception as error:  # a missing compiler raises several types
             raise Int8KernelError(
                 f"--dtype int8 needs its CPU operator, which failed to build in "
-                f"{kernel_cache_dir()}: "
-                f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}; "
+                f"{kernel_cache_dir() / EXTENSION}: {failure_summary(error)}; "
                 "install a C++ compiler (g++), or use --dtype bfloat16") from error
         torch.library.register_fake("specdec::int8_linear")(_fake_int8_linear)
         _loaded = True
