@@ -15,7 +15,7 @@ import torch
 from tiny_models import tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.engine import int8
+from specdec.engine import fused_step, int8
 from specdec.engine.attention import apply_attention_kernel
 from specdec.engine.extend import FUSED_STEP_ATTRIBUTE, ExtendRequest
 from specdec.engine.fused_step import FUSED, FusedStep, fits, install
@@ -66,12 +66,29 @@ def _forwards(runner: ModelRunner) -> tuple[list[torch.Tensor], list[torch.Tenso
     return logits, [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
 
 
+class _NoOperators:
+    """LAYER_OPERATORS where the C++ layer operators do not build."""
+
+    def get(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("layers", ["operators", "python"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_forward_equals_transformers_bit_for_bit(bias: bool) -> None:
+def test_every_forward_equals_transformers_bit_for_bit(monkeypatch, bias: bool,  # type: ignore[no-untyped-def]
+                                                        layers: str) -> None:
+    """With each layer's work in the C++ operators, and in Python where they do not
+    build."""
+    if layers == "operators":
+        assert fused_step.LAYER_OPERATORS.get() is not None
+    else:
+        monkeypatch.setattr(fused_step, "LAYER_OPERATORS", _NoOperators())
     model = _served(bias)
     assert install(model, "auto") == FUSED
     fused = ModelRunner(model)
     assert fused._fused_step is getattr(model, FUSED_STEP_ATTRIBUTE)
+    step: FusedStep = fused._fused_step  # type: ignore[assignment]
+    assert all(step.native) if layers == "operators" else not any(step.native)
     stock = ModelRunner(model)
     stock._fused_step = None
     with torch.inference_mode():

@@ -46,7 +46,6 @@ calls above over that session's keys alone, so batching changes no row's attenti
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -59,6 +58,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec.engine.cpu_operators import OptionalOperators
 from specdec.engine.shapes import DECODE_ROWS
 
 log = logging.getLogger(__name__)
@@ -129,29 +129,16 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return _rowwise_calls(query, key, value, plan, dropout, scaling), None
 
 
-_native_state: list[Callable[..., torch.Tensor] | None] = []  # [] until first asked
-_native_lock = threading.Lock()
+_native = OptionalOperators("specdec_rowwise_attention", "rowwise_attention.cpp",
+                           ("rowwise_attention",),
+                           "each row takes an SDPA call of its own instead")
 
 
 def native_rowwise_attention() -> Callable[..., torch.Tensor] | None:
     """The C++ rowwise attention operator, built or loaded on first call; None where it
     cannot build here (logged once), and the rows then take SDPA calls."""
-    if _native_state:
-        return _native_state[0]
-    with _native_lock:
-        if not _native_state:
-            from specdec.engine.cpu_operators import build, failure_summary
-
-            operator: Callable[..., torch.Tensor] | None = None
-            try:
-                build("specdec_rowwise_attention", "rowwise_attention.cpp")
-                operator = torch.ops.specdec.rowwise_attention
-            except Exception as error:  # a missing compiler raises several types
-                log.warning("rowwise attention: its C++ operator failed to build (%s); "
-                            "each row takes an SDPA call of its own instead",
-                            failure_summary(error))
-            _native_state.append(operator)
-    return _native_state[0]
+    operators = _native.get()
+    return None if operators is None else operators[0]
 
 
 def _native_runs(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:

@@ -2,18 +2,25 @@
 
 torch's cpp_extension builds each with the machine's C++ compiler (-O3 -march=native,
 OpenMP through torch's own runtime) into a cache folder per torch version and CPU, so a
-later start loads it in well under a second. specdec.engine.int8 (the int8 product) and
-specdec.engine.attention (the rowwise attention) each load theirs.
+later start loads it in well under a second. specdec.engine.int8 (the int8 product),
+specdec.engine.attention (the rowwise attention) and specdec.engine.fused_step (a Llama
+layer's work around its attention) each load theirs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 
@@ -60,3 +67,30 @@ def failure_summary(error: BaseException) -> str:
     compiler's output ends with the error that stopped it)."""
     lines = str(error).strip().splitlines() or [""]
     return f"{type(error).__name__}: {lines[-1][:300]}"
+
+
+class OptionalOperators:
+    """Operators of one extension that a faster path takes where they build: built or
+    loaded on the first get(); None where the build fails here (logged once, with what
+    runs instead), and the caller keeps its own path."""
+
+    def __init__(self, extension: str, source: str, names: tuple[str, ...],
+                 instead: str) -> None:
+        self.extension, self.source, self.names, self.instead = extension, source, names, instead
+        self._state: list[tuple[Callable[..., Any], ...] | None] = []  # [] until first get
+        self._lock = threading.Lock()
+
+    def get(self) -> tuple[Callable[..., Any], ...] | None:
+        if self._state:
+            return self._state[0]
+        with self._lock:
+            if not self._state:
+                operators: tuple[Callable[..., Any], ...] | None = None
+                try:
+                    build(self.extension, self.source)
+                    operators = tuple(getattr(torch.ops.specdec, name) for name in self.names)
+                except Exception as error:  # a missing compiler raises several types
+                    log.warning("%s: the C++ operator failed to build (%s); %s",
+                                ", ".join(self.names), failure_summary(error), self.instead)
+                self._state.append(operators)
+        return self._state[0]

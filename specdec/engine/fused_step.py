@@ -13,7 +13,12 @@ the computation of transformers' LlamaForCausalLM forward op for op, with
 - no mask building: a chain is causal, and a token tree's mask or a packed batch's
   layout goes to the rowwise attention kernel as transformers passes it;
 - the final norm and the LM head on the kept rows only (both act row by row), the head
-  in whatever kernel the model has it.
+  in whatever kernel the model has it;
+- each layer's work before and after its attention as one C++ call each
+  (csrc/llama_layer.cpp: the same ATen operations in the same order, the int8 products
+  the same operator), where that operator builds and the layer has the usual shape
+  (fused q/k/v and gate/up, SiLU): the interpreter then runs four calls per layer
+  instead of some fifty.
 
 Its logits and KV cache equal transformers' forward bit for bit
 (tests/test_fused_step.py), so greedy equality and the row-invariance guarantees carry
@@ -36,15 +41,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from torch.nn import functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from specdec.engine.attention import ROWWISE_NAME, rowwise_sdpa_forward
+from specdec.engine.cpu_operators import OptionalOperators
 from specdec.engine.extend import FUSED_STEP_ATTRIBUTE
 from specdec.engine.int8 import BLOCK, Int8Linear, int8_product
 from specdec.settings import FUSED_STEP_CHOICES
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 FUSED = "fused step"  # what install reports when it installed the step
+LAYER_OPERATORS = OptionalOperators(
+    "specdec_llama_layer", "llama_layer.cpp", ("llama_attention_inputs", "llama_layer_output"),
+    "the fused step runs each layer's operations from Python")
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,30 @@ class _Layer:
     head_dim: int
     scaling: float
 
+    def native_arguments(self) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """The arguments of llama_attention_inputs (between hidden and cos, sin) and of
+        llama_layer_output (after attended, residual), where the C++ layer operators
+        compute exactly what this layer's Python does; None elsewhere."""
+        if len(self.qkv) != 1 or len(self.gate_up) != 1 or not _is_silu(self.act) or not (
+                _is_llama_rms_norm(self.input_norm) and _is_llama_rms_norm(self.post_norm)):
+            return None
+        qkv, gate_up, output, down = self.qkv[0], self.gate_up[0], self.output, self.down
+        return ((self.input_norm.weight, float(self.input_norm.variance_epsilon), qkv.codes,
+                 qkv.scales, qkv.offsets, qkv.bias, *self.widths, self.head_dim),
+                (output.codes, output.scales, output.offsets, output.bias,
+                 self.post_norm.weight, float(self.post_norm.variance_epsilon),
+                 gate_up.codes, gate_up.scales, gate_up.offsets, gate_up.bias,
+                 self.intermediate, down.codes, down.scales, down.offsets, down.bias))
+
+
+def _is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    return act is F.silu or isinstance(act, nn.SiLU) or (
+        type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers"))
+
+
+def _is_llama_rms_norm(norm: Any) -> bool:
+    return type(norm).forward is LlamaRMSNorm.forward
+
 
 def fits(model: nn.Module) -> str | None:
     """Why the fused step cannot run this model (None: it can)."""
@@ -142,6 +176,12 @@ class FusedStep:
             else source.lm_head)
         count = int(source.config.num_hidden_layers)
         self.layers = [self._layer(layer) for layer in list(inner.layers)[:count]]
+        # Per layer: the C++ operators' arguments, or None for the Python path.
+        self.native: list[tuple[tuple[Any, ...], tuple[Any, ...]] | None] = [None] * count
+        arguments = [layer.native_arguments() for layer in self.layers]
+        if any(argument is not None for argument in arguments) and \
+                LAYER_OPERATORS.get() is not None:
+            self.native = arguments
 
     @staticmethod
     def _layer(layer: Any) -> _Layer:
@@ -167,7 +207,16 @@ class FusedStep:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden, position_ids)
         batch, rows = input_ids.shape
-        for index, layer in enumerate(self.layers):
+        operators = LAYER_OPERATORS.get() if any(self.native) else None
+        for index, (layer, native) in enumerate(zip(self.layers, self.native, strict=True)):
+            if native is not None and operators is not None:
+                query, key, value = operators[0](hidden, *native[0], cos, sin)
+                key, value = cache.update(key, value, index)
+                attended, _ = rowwise_sdpa_forward(layer.attention, query, key, value,
+                                                   attention_mask, dropout=0.0,
+                                                   scaling=layer.scaling, **kwargs)
+                hidden = operators[1](attended, hidden, *native[1])
+                continue
             residual = hidden
             normed = layer.input_norm.forward(hidden)
             shape = (batch, rows, -1, layer.head_dim)

@@ -1,0 +1,105 @@
+// A Llama decoder layer's work before and after its attention, for the fused step
+// (specdec/engine/fused_step.py), as two operators:
+//   llama_attention_inputs: RMSNorm, the fused q/k/v int8 product, the heads' views and
+//     the rotary embedding -> (query, key, value);
+//   llama_layer_output: the output projection and residual, RMSNorm, the fused gate/up
+//     product, SiLU times up, the down projection and residual -> the layer's output.
+// Each one is the very sequence of ATen operations that transformers' LlamaDecoderLayer
+// (LlamaRMSNorm.forward, apply_rotary_pos_emb, LlamaMLP with SiLU) runs in Python, in the
+// same order and dtypes, and the int8 products are specdec::int8_linear: every tensor gets
+// the bits it gets in Python. What goes away is the interpreter and the Python side of
+// some fifty operator calls per layer.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using Int8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const std::optional<at::Tensor>&);
+
+// specdec.engine.int8.int8_product: the operator takes bfloat16 and answers in it.
+at::Tensor int8_product(const at::Tensor& input, const at::Tensor& codes,
+                        const at::Tensor& scales, const at::Tensor& offsets,
+                        const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("specdec::int8_linear", "")
+                             .typed<Int8Linear>();
+  if (input.scalar_type() == at::kBFloat16) return op.call(input, codes, scales, offsets, bias);
+  return op.call(input.to(at::kBFloat16), codes, scales, offsets, bias)
+      .to(input.scalar_type());
+}
+
+// LlamaRMSNorm.forward.
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  at::Tensor wide = hidden.to(at::kFloat);
+  const at::Tensor variance = wide.pow(2).mean(-1, /*keepdim=*/true);
+  wide = wide * at::rsqrt(variance + eps);
+  return weight * wide.to(hidden.scalar_type());
+}
+
+// transformers' rotate_half.
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_attention_inputs(
+    const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& bias, int64_t query_width, int64_t key_width,
+    int64_t value_width, int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(hidden.dim() == 3, "llama_attention_inputs: hidden must be [batch, rows, width]");
+  const int64_t batch = hidden.size(0), rows = hidden.size(1);
+  const at::Tensor normed = rms_norm(hidden, norm_weight, eps);
+  const auto parts = int8_product(normed, codes, scales, offsets, bias)
+                         .split_with_sizes({query_width, key_width, value_width}, -1);
+  const at::Tensor query = parts[0].view({batch, rows, -1, head_dim}).transpose(1, 2);
+  const at::Tensor key = parts[1].view({batch, rows, -1, head_dim}).transpose(1, 2);
+  const at::Tensor value = parts[2].view({batch, rows, -1, head_dim}).transpose(1, 2);
+  // apply_rotary_pos_emb with unsqueeze_dim 1.
+  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  return {(query * c) + (rotate_half(query) * s), (key * c) + (rotate_half(key) * s), value};
+}
+
+at::Tensor llama_layer_output(
+    const at::Tensor& attended, const at::Tensor& residual, const at::Tensor& output_codes,
+    const at::Tensor& output_scales, const at::Tensor& output_offsets,
+    const std::optional<at::Tensor>& output_bias, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales,
+    const at::Tensor& gate_up_offsets, const std::optional<at::Tensor>& gate_up_bias,
+    int64_t intermediate, const at::Tensor& down_codes, const at::Tensor& down_scales,
+    const at::Tensor& down_offsets, const std::optional<at::Tensor>& down_bias) {
+  TORCH_CHECK(residual.dim() == 3, "llama_layer_output: residual must be [batch, rows, width]");
+  const at::Tensor flat = attended.reshape({residual.size(0), residual.size(1), -1}).contiguous();
+  const at::Tensor hidden =
+      residual + int8_product(flat, output_codes, output_scales, output_offsets, output_bias);
+  const at::Tensor normed = rms_norm(hidden, norm_weight, eps);
+  const auto gate_up = int8_product(normed, gate_up_codes, gate_up_scales, gate_up_offsets,
+                                    gate_up_bias).split(intermediate, -1);
+  // The gate made contiguous, as the gate layer's own output is: SiLU's kernel then takes
+  // the same (vectorised) path.
+  const at::Tensor product = at::silu(gate_up[0].contiguous()) * gate_up[1];
+  return hidden + int8_product(product, down_codes, down_scales, down_offsets, down_bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("llama_attention_inputs(Tensor hidden, Tensor norm_weight, float eps, Tensor codes, "
+        "Tensor scales, Tensor offsets, Tensor? bias, int query_width, int key_width, "
+        "int value_width, int head_dim, Tensor cos, Tensor sin) -> (Tensor, Tensor, Tensor)");
+  m.def("llama_layer_output(Tensor attended, Tensor residual, Tensor output_codes, "
+        "Tensor output_scales, Tensor output_offsets, Tensor? output_bias, "
+        "Tensor norm_weight, float eps, Tensor gate_up_codes, Tensor gate_up_scales, "
+        "Tensor gate_up_offsets, Tensor? gate_up_bias, int intermediate, Tensor down_codes, "
+        "Tensor down_scales, Tensor down_offsets, Tensor? down_bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("llama_attention_inputs", &llama_attention_inputs);
+  m.impl("llama_layer_output", &llama_layer_output);
+}
