@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -38,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
     work = MainThreadExecutor()
     handle = (create(args, telemetry=telemetry) if args.role == "coordinator"
               else create(args, telemetry=telemetry, executor=work))
+    # What is loaded by now (the model, the tokenizer, the libraries) lives as long as the
+    # process: frozen out of the collector's sight, it is not walked by every full
+    # collection, each of which would otherwise stall the service's calls meanwhile.
+    gc.collect()
+    gc.freeze()
     print(f"{args.role} serving on {handle.address}", flush=True)
     announce_ready(handle.address)  # for a parent `specdec up`: this process is serving
     serve_until_signal(handle, args.grace_s, work,
