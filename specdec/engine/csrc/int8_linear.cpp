@@ -42,6 +42,9 @@ constexpr int64_t GROUP = 32;    // inputs per scale and offset; one vector step
 constexpr int64_t LANES = 16;    // float32 lanes of a vector
 constexpr int64_t BLOCK_N = 4;   // outputs decoded and computed together
 constexpr int64_t BLOCK_M = 6;   // at most this many rows computed together
+// Decoding asks for the codes this far ahead (prefetches): the codes stream through once,
+// and the hardware prefetchers stop at every 4 KiB page.
+constexpr int64_t PREFETCH_BYTES = 2048;
 
 struct SuperBlock {
   int64_t first_step;  // = first group
@@ -240,6 +243,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
     }
   }
   const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const int64_t code_bytes = codes.numel();
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
   at::Tensor bias_f;
@@ -256,7 +260,12 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
     float dots[BLOCK_M * BLOCK_N];
     for (int64_t nb = begin; nb < end; ++nb) {
       const uint8_t* block_codes = cp + nb * groups * BLOCK_N * GROUP;
-      for (int64_t step = 0; step < groups; ++step)
+      for (int64_t step = 0; step < groups; ++step) {
+        const int64_t ahead = (nb * groups + step) * BLOCK_N * GROUP + PREFETCH_BYTES;
+        if (ahead + BLOCK_N * GROUP <= code_bytes) {  // a step's codes: two cache lines
+          __builtin_prefetch(cp + ahead, 0, 3);
+          __builtin_prefetch(cp + ahead + 64, 0, 3);
+        }
         for (int64_t j = 0; j < BLOCK_N; ++j) {
           const uint8_t* src = block_codes + (step * BLOCK_N + j) * GROUP;
           uint16_t* dst = decoded.data() + j * K + step * GROUP;
@@ -266,6 +275,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
           for (int64_t i = 0; i < GROUP; ++i) dst[i] = static_cast<uint16_t>(0x4300 | src[i]);
 #endif
         }
+      }
       const int64_t n0 = nb * BLOCK_N;
       for (int64_t m0 = 0; m0 < M;) {
         // Up to BLOCK_M rows share each decoded weight vector, the rows split into
