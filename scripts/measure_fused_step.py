@@ -1,10 +1,12 @@
 """The fused step against transformers' forward on the same int8 model, side by side.
 
 Loads the target (and the token draft) as the cpu-tuned backend serves them under
-`--dtype auto` with the fused step installed, and times each forward shape through a
-runner that uses it and one that does not, alternating call by call over one session
-whose cache holds --context tokens. Then splits one forward's time into the int8
-products and everything else (torch's profiler), for both. Output: markdown on stdout.
+`--dtype auto` with the fused step installed, and times each forward shape through three
+runners, alternating call by call over one session each whose cache holds --context
+tokens: the fused step with its C++ layer operators, the fused step running each layer's
+operations from Python (where those operators do not build), and transformers' forward.
+Then splits one forward's time into the int8 products and everything else (torch's
+profiler). Output: markdown on stdout.
 
     .venv/bin/python scripts/measure_fused_step.py --threads 1 --rows 1,4,8
 """
@@ -12,6 +14,7 @@ products and everything else (torch's profiler), for both. Output: markdown on s
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -39,8 +42,9 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"threads {args.threads}, context {args.context} tokens, median of "
           f"{args.repeats} alternating calls\n")
-    print("| model | rows | fused step ms | transformers forward ms | ratio |")
-    print("|---|---|---|---|---|")
+    print("| model | rows | fused step ms | its layers from Python ms | transformers forward ms "
+          "| fused / transformers |")
+    print("|---|---|---|---|---|---|")
     profiles: list[str] = []
     for name, source, vocab in (("target", models.DEFAULT_TARGET, None),
                                 ("draft", models.DEFAULT_DRAFT, 49152)):
@@ -49,11 +53,15 @@ def main() -> None:
         if not loaded.precision.endswith("fused step"):
             raise SystemExit(f"the {name} does not take the fused step here: {loaded.precision}")
         runners = {}
-        for kind in ("fused", "transformers"):
+        for kind in ("fused", "python layers", "transformers"):
             runner = ModelRunner(loaded.model, target_vocab_size=vocab,
                                  token_map=loaded.token_map)
             if kind == "transformers":
                 runner._fused_step = None
+            elif kind == "python layers" and runner._fused_step is not None:
+                step = copy.copy(runner._fused_step)
+                step.native = [None] * len(step.native)  # type: ignore[attr-defined]
+                runner._fused_step = step
             runner.extend("s", 0, 0, list(range(1000, 1000 + args.context)))
             runners[kind] = runner
 
@@ -69,8 +77,9 @@ def main() -> None:
             for _ in range(args.repeats + 2):
                 for kind, runner in runners.items():
                     times[kind].append(forward(runner, rows))
-            fused, stock = (1000 * statistics.median(times[k][2:]) for k in runners)
-            print(f"| {name} | {rows} | {fused:.2f} | {stock:.2f} | {fused / stock:.2f} |")
+            fused, python, stock = (1000 * statistics.median(times[k][2:]) for k in runners)
+            print(f"| {name} | {rows} | {fused:.2f} | {python:.2f} | {stock:.2f} | "
+                  f"{fused / stock:.2f} |")
         if name == "target":
             for kind, runner in runners.items():
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
