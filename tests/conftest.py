@@ -48,8 +48,10 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1:
     _threads = str(max(1, (os.cpu_count() or 1) // _WORKERS))
     os.environ.setdefault("OMP_NUM_THREADS", _threads)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+    from specdec.serving.stack import SERVICE_THREAD_ENV  # the services' setting; loads no torch
+
+    for _key, _value in SERVICE_THREAD_ENV.items():
+        os.environ.setdefault(_key, _value)
 
 
 def pytest_collection_modifyitems(items: list) -> None:

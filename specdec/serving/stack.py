@@ -31,8 +31,9 @@ from specdec.serving.security import SecuritySettings, channel_credentials
 
 # The draft and target share the host's cores: OpenMP threads wait passively with a
 # short spin, which covers the gaps inside one forward without an idle service's threads
-# spinning against the busy one's.
-SERVICE_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
+# spinning against the busy one's, or against the call's own gRPC and Python work once a
+# forward ends (docs/performance.md compares spin counts).
+SERVICE_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 TORCH_THREADS_FLAG = "--torch-threads"
 TORCH_THREADS_ENV = "SPECDEC_TORCH_THREADS"
 
