@@ -9,6 +9,7 @@ without biases on the attention layers; it runs only where it fits.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,14 +74,36 @@ class _NoOperators:
         return None
 
 
+class _CountedOperators:
+    """The C++ layer operators, counting whole-layer calls (one sequence over a plain
+    cache) apart from the two-call layers (a first forward, packed sessions)."""
+
+    def __init__(self) -> None:
+        self.whole_layers = 0
+
+    def get(self) -> tuple[Any, ...]:
+        operators = fused_step.OptionalOperators.get(self._inner)
+        assert operators is not None
+
+        def whole_layer(*args: Any) -> Any:
+            self.whole_layers += 1
+            return operators[2](*args)
+
+        return (operators[0], operators[1], whole_layer)
+
+    _inner = fused_step.LAYER_OPERATORS
+
+
 @pytest.mark.parametrize("layers", ["operators", "python"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_forward_equals_transformers_bit_for_bit(monkeypatch, bias: bool,  # type: ignore[no-untyped-def]
                                                         layers: str) -> None:
     """With each layer's work in the C++ operators, and in Python where they do not
     build."""
+    counted = _CountedOperators()
     if layers == "operators":
         assert fused_step.LAYER_OPERATORS.get() is not None
+        monkeypatch.setattr(fused_step, "LAYER_OPERATORS", counted)
     else:
         monkeypatch.setattr(fused_step, "LAYER_OPERATORS", _NoOperators())
     model = _served(bias)
@@ -98,6 +121,8 @@ def test_every_forward_equals_transformers_bit_for_bit(monkeypatch, bias: bool, 
         (1, 96), (1, 96), (5, 96), (1, 96), (4, 96), (3, 96), (2, 96)]
     for ours, theirs in zip(fused_logits + fused_cache, stock_logits + stock_cache, strict=True):
         assert torch.equal(ours, theirs)
+    # Session a's one-sequence forwards (a chain, one row, a tree) ran whole layers.
+    assert counted.whole_layers == (3 * len(step.layers) if layers == "operators" else 0)
 
 
 def test_fused_layers_share_one_copy_of_the_weights() -> None:

@@ -283,6 +283,15 @@ def _row_calls(visible: list[tuple[int, tuple[int, ...]]], groups: int,
 _last_plan: tuple[torch.Tensor | None, tuple[Any, ...], RowPlan | None] = (None, (), None)
 
 
+def row_plan_for(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: int,
+                 device: torch.device) -> RowPlan | None:
+    """The rowwise kernel's plan for one sequence's decode-sized rows (the same plan its
+    attention call builds); None where it falls back to SDPA."""
+    if q_length > DECODE_ROWS:
+        return None
+    return _row_plan(mask, q_length, kv_length, groups, device)
+
+
 def _row_plan(mask: torch.Tensor | None, q_length: int, kv_length: int, groups: int,
               device: torch.device) -> RowPlan | None:
     """The rowwise kernel's calls for this forward; None when some row sees keys in a

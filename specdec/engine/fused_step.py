@@ -14,11 +14,12 @@ the computation of transformers' LlamaForCausalLM forward op for op, with
   layout goes to the rowwise attention kernel as transformers passes it;
 - the final norm and the LM head on the kept rows only (both act row by row), the head
   in whatever kernel the model has it;
-- each layer's work before and after its attention as one C++ call each
-  (csrc/llama_layer.cpp: the same ATen operations in the same order, the int8 products
-  the same operator), where that operator builds and the layer has the usual shape
-  (fused q/k/v and gate/up, SiLU): the interpreter then runs four calls per layer
-  instead of some fifty.
+- each layer in C++ (csrc/llama_layer.cpp: the same ATen operations in the same order,
+  the int8 products and the attention the same operators), where that operator builds
+  and the layer has the usual shape (fused q/k/v and gate/up, SiLU): one call per layer
+  for one sequence over a plain DynamicCache (its attention and the cache's update
+  included), one call each before and after the attention for packed sessions, instead
+  of some fifty interpreter calls.
 
 Its logits and KV cache equal transformers' forward bit for bit
 (tests/test_fused_step.py), so greedy equality and the row-invariance guarantees carry
@@ -42,9 +43,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from specdec.engine.attention import ROWWISE_NAME, rowwise_sdpa_forward
+from specdec.engine.attention import (
+    ROWWISE_NAME,
+    RowPlan,
+    native_rowwise_attention,
+    row_plan_for,
+    rowwise_sdpa_forward,
+)
 from specdec.engine.cpu_operators import OptionalOperators
 from specdec.engine.extend import FUSED_STEP_ATTRIBUTE
 from specdec.engine.int8 import BLOCK, Int8Linear, int8_product
@@ -53,7 +62,8 @@ from specdec.settings import FUSED_STEP_CHOICES
 ARCHITECTURES = ("LlamaForCausalLM",)
 FUSED = "fused step"  # what install reports when it installed the step
 LAYER_OPERATORS = OptionalOperators(
-    "specdec_llama_layer", "llama_layer.cpp", ("llama_attention_inputs", "llama_layer_output"),
+    "specdec_llama_layer", "llama_layer.cpp",
+    ("llama_attention_inputs", "llama_layer_output", "llama_decode_layer"),
     "the fused step runs each layer's operations from Python")
 
 
@@ -208,7 +218,17 @@ class FusedStep:
         cos, sin = self.rotary_emb(hidden, position_ids)
         batch, rows = input_ids.shape
         operators = LAYER_OPERATORS.get() if any(self.native) else None
+        plan = (self._whole_layer_plan(hidden, cache, attention_mask, kwargs)
+                if operators is not None else None)
         for index, (layer, native) in enumerate(zip(self.layers, self.native, strict=True)):
+            if native is not None and operators is not None and plan is not None:
+                # The whole layer in one call, the cache's new keys and values set as
+                # DynamicLayer.update sets them.
+                held = cache.layers[index]
+                hidden, held.keys, held.values = operators[2](
+                    hidden, held.keys, held.values, *native[0], cos, sin, plan.prefixes,
+                    plan.extras, plan.extra_counts, layer.scaling, *native[1])
+                continue
             if native is not None and operators is not None:
                 query, key, value = operators[0](hidden, *native[0], cos, sin)
                 key, value = cache.update(key, value, index)
@@ -245,6 +265,29 @@ class FusedStep:
         kept = (hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int)
                 else hidden[:, logits_to_keep])
         return self.lm_head(self.norm.forward(kept))
+
+
+    def _whole_layer_plan(self, hidden: torch.Tensor, cache: Any,
+                          attention_mask: torch.Tensor | None,
+                          kwargs: dict[str, Any]) -> RowPlan | None:
+        """The rows' attention plan where every layer can run as one llama_decode_layer
+        call: one sequence in bfloat16 over a plain DynamicCache whose layers all hold
+        keys, with the rowwise operator built; None elsewhere (packed sessions, a cache
+        of another kind, a first forward)."""
+        if kwargs or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
+                or hidden.shape[0] != 1 or type(cache) is not DynamicCache \
+                or getattr(cache, "offloading", False) or native_rowwise_attention() is None:
+            return None
+        held = cache.layers
+        if len(held) < len(self.layers) or any(
+                type(layer) is not DynamicLayer or not layer.is_initialized
+                for layer in held[:len(self.layers)]):
+            return None
+        first = self.layers[0]
+        keys: torch.Tensor = held[0].keys  # type: ignore[union-attr,assignment]
+        heads = first.widths[0] // first.head_dim
+        return row_plan_for(attention_mask, hidden.shape[1], keys.shape[-2] + hidden.shape[1],
+                            heads // keys.shape[1], hidden.device)
 
 
 def install(model: nn.Module, setting: str) -> str:

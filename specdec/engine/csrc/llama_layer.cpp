@@ -1,5 +1,5 @@
 // A Llama decoder layer's work before and after its attention, for the fused step
-// (specdec/engine/fused_step.py), as two operators:
+// (specdec/engine/fused_step.py), as two operators, and the whole layer as a third:
 //   llama_attention_inputs: RMSNorm, the fused q/k/v int8 product, the heads' views and
 //     the rotary embedding -> (query, key, value);
 //   llama_layer_output: the output projection and residual, RMSNorm, the fused gate/up
@@ -86,6 +86,46 @@ at::Tensor llama_layer_output(
   return hidden + int8_product(product, down_codes, down_scales, down_offsets, down_bias);
 }
 
+// A whole decoder layer for one sequence over a plain KV cache: llama_attention_inputs,
+// the cache's concatenation (transformers' DynamicLayer.update), specdec::rowwise_attention
+// over the rows' visible keys (attention.RowPlan), llama_layer_output. Returns the layer's
+// output and the cache's new keys and values.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
+    const at::Tensor& hidden, const at::Tensor& cached_keys, const at::Tensor& cached_values,
+    const at::Tensor& input_norm_weight, double input_eps, const at::Tensor& qkv_codes,
+    const at::Tensor& qkv_scales, const at::Tensor& qkv_offsets,
+    const std::optional<at::Tensor>& qkv_bias, int64_t query_width, int64_t key_width,
+    int64_t value_width, int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& prefixes, const at::Tensor& extras, const at::Tensor& extra_counts,
+    double scale, const at::Tensor& output_codes, const at::Tensor& output_scales,
+    const at::Tensor& output_offsets, const std::optional<at::Tensor>& output_bias,
+    const at::Tensor& post_norm_weight, double post_eps, const at::Tensor& gate_up_codes,
+    const at::Tensor& gate_up_scales, const at::Tensor& gate_up_offsets,
+    const std::optional<at::Tensor>& gate_up_bias, int64_t intermediate,
+    const at::Tensor& down_codes, const at::Tensor& down_scales,
+    const at::Tensor& down_offsets, const std::optional<at::Tensor>& down_bias) {
+  using RowwiseAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      double);
+  static const auto attention = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("specdec::rowwise_attention", "")
+                                    .typed<RowwiseAttention>();
+  TORCH_CHECK(hidden.size(0) == 1, "llama_decode_layer: one sequence at a time");
+  auto [query, key, value] = llama_attention_inputs(
+      hidden, input_norm_weight, input_eps, qkv_codes, qkv_scales, qkv_offsets, qkv_bias,
+      query_width, key_width, value_width, head_dim, cos, sin);
+  at::Tensor keys = at::cat({cached_keys, key}, -2);
+  at::Tensor values = at::cat({cached_values, value}, -2);
+  const at::Tensor attended =
+      attention.call(query[0], keys[0], values[0], prefixes, extras, extra_counts, scale)
+          .unsqueeze(0);
+  at::Tensor output = llama_layer_output(
+      attended, hidden, output_codes, output_scales, output_offsets, output_bias,
+      post_norm_weight, post_eps, gate_up_codes, gate_up_scales, gate_up_offsets, gate_up_bias,
+      intermediate, down_codes, down_scales, down_offsets, down_bias);
+  return {output, keys, values};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
@@ -97,9 +137,20 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
         "Tensor norm_weight, float eps, Tensor gate_up_codes, Tensor gate_up_scales, "
         "Tensor gate_up_offsets, Tensor? gate_up_bias, int intermediate, Tensor down_codes, "
         "Tensor down_scales, Tensor down_offsets, Tensor? down_bias) -> Tensor");
+  m.def("llama_decode_layer(Tensor hidden, Tensor cached_keys, Tensor cached_values, "
+        "Tensor input_norm_weight, float input_eps, Tensor qkv_codes, Tensor qkv_scales, "
+        "Tensor qkv_offsets, Tensor? qkv_bias, int query_width, int key_width, "
+        "int value_width, int head_dim, Tensor cos, Tensor sin, Tensor prefixes, "
+        "Tensor extras, Tensor extra_counts, float scale, Tensor output_codes, "
+        "Tensor output_scales, Tensor output_offsets, Tensor? output_bias, "
+        "Tensor post_norm_weight, float post_eps, Tensor gate_up_codes, "
+        "Tensor gate_up_scales, Tensor gate_up_offsets, Tensor? gate_up_bias, "
+        "int intermediate, Tensor down_codes, Tensor down_scales, Tensor down_offsets, "
+        "Tensor? down_bias) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("llama_attention_inputs", &llama_attention_inputs);
   m.impl("llama_layer_output", &llama_layer_output);
+  m.impl("llama_decode_layer", &llama_decode_layer);
 }
