@@ -22,6 +22,7 @@ from specdec.bench.costs import (
     bound,
     expected_tokens,
     measure_costs,
+    read_bandwidth,
 )
 from specdec.bench.harness import BenchModels, BenchSettings, cost_label, run_bench
 from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
@@ -151,6 +152,10 @@ def test_cost_calibration_measures_every_length_and_frees_its_sessions(
     assert all(low <= curve.target_s[k] <= high for k, (low, high) in curve.target_iqr.items())
     assert len(ticks) == 6  # one per target length, one for the draft
     assert not target._sessions and not draft._sessions  # calibration sessions released
+    # The floor is the weights over this machine's read rate, measured once per process.
+    assert curve.bandwidth == read_bandwidth(threads=1)
+    assert 1e8 < curve.bandwidth < 1e13  # a memory system's rate, bytes per second
+    assert curve.to_dict()["target_floor_s"] == curve.target_weight_bytes / curve.bandwidth
 
 
 def test_tiny_run_writes_json_markdown_and_plots(tiny_pair: BenchModels, tmp_path: Path) -> None:

@@ -180,3 +180,22 @@ def test_a_failed_build_on_its_own_compute_thread_reaches_the_caller() -> None:
 
     with pytest.raises(FileNotFoundError, match="/nowhere"):
         on_own_compute_thread(create)
+
+
+def test_a_service_freezes_what_it_loaded_out_of_the_collectors_sight() -> None:
+    """`specdec serve` and Ray replicas call freeze_loaded_objects once loaded: the objects
+    alive then are frozen, so a full collection no longer walks them (run in a child:
+    freezing is process-wide)."""
+    import subprocess
+    import sys
+
+    child = (
+        "import gc\n"
+        "from specdec.serving.grpc_server import freeze_loaded_objects\n"
+        "loaded = [[i] for i in range(100_000)]  # lists: the collector tracks them\n"
+        "before = gc.get_freeze_count()\n"
+        "freeze_loaded_objects()\n"
+        "print(gc.get_freeze_count() - before)\n")
+    frozen = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                            check=True, timeout=120).stdout
+    assert int(frozen) >= 100_000

@@ -11,8 +11,10 @@ E[tokens] = (1 - alpha^(gamma + 1)) / (1 - alpha).
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,8 +23,12 @@ import torch
 from specdec.engine.runner import ModelRunner
 from specdec.engine.timing import extend_timer, round_robin
 
-# Memory read bandwidth measured on the reference machine (2 threads), bytes per second.
+# Bytes per second for cost files written before the bench measured the machine's read
+# rate (read_bandwidth): the reference machine's, at 2 threads.
 DEFAULT_BANDWIDTH = 15e9
+# read_bandwidth's buffer: far beyond any CPU cache, so it streams from memory as a
+# decode step's weights do.
+BANDWIDTH_PROBE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -149,6 +155,23 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+@functools.cache
+def read_bandwidth(*, threads: int, probe_bytes: int = BANDWIDTH_PROBE_BYTES,
+                   repeats: int = 5) -> float:
+    """The machine's memory read rate at `threads` torch threads (torch's count, which
+    keys the cache: measured once per process), bytes per second: the fastest of
+    `repeats` sums over a buffer of probe_bytes (a decode step's floor is its weight
+    bytes over this)."""
+    buffer = torch.ones(probe_bytes // 4, dtype=torch.float32)
+    buffer.sum()  # its pages are touched before the clock starts
+    fastest = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        fastest = min(fastest, time.perf_counter() - started)
+    return probe_bytes / fastest
+
+
 def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
                   context_len: int = 64, max_k: int = 9, repeats: int = 7,
                   progress: Callable[[], None] | None = None) -> CostCurve:
@@ -182,4 +205,5 @@ def measure_costs(target: ModelRunner, draft: ModelRunner | None, *, label: str,
         if progress is not None:
             progress()
     return CostCurve(label, target_s, draft_s, target_iqr, draft_iqr, context_len,
-                     weight_bytes(target.model), draft_bytes)
+                     weight_bytes(target.model), draft_bytes,
+                     read_bandwidth(threads=torch.get_num_threads()))

@@ -33,7 +33,7 @@ def cost_table(curves: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {c['label']} | {draft} | " + " | ".join(cells) + " |")
     floor = curves[0]
     lines += ["", f"(N x) = multiple of the bandwidth floor: weight bytes / "
-              f"{floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
+              f"{floor['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, this machine's read rate "
               f"(target {floor['target_floor_s'] * 1000:.1f} ms, "
               f"draft {floor['draft_floor_s'] * 1000:.1f} ms in {floor['label']}). "
               f"Context {floor['context']} tokens, medians."]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import logging
 import os
@@ -24,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specdec.serving.compute import MainThreadExecutor
-    from specdec.serving.grpc_server import serve_until_signal
+    from specdec.serving.grpc_server import freeze_loaded_objects, serve_until_signal
     from specdec.serving.stack import announce_ready
 
     if not args.port:
@@ -39,11 +38,7 @@ def run(args: argparse.Namespace) -> int:
     work = MainThreadExecutor()
     handle = (create(args, telemetry=telemetry) if args.role == "coordinator"
               else create(args, telemetry=telemetry, executor=work))
-    # What is loaded by now (the model, the tokenizer, the libraries) lives as long as the
-    # process: frozen out of the collector's sight, it is not walked by every full
-    # collection, each of which would otherwise stall the service's calls meanwhile.
-    gc.collect()
-    gc.freeze()
+    freeze_loaded_objects()
     print(f"{args.role} serving on {handle.address}", flush=True)
     announce_ready(handle.address)  # for a parent `specdec up`: this process is serving
     serve_until_signal(handle, args.grace_s, work,

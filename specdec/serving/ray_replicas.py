@@ -67,6 +67,7 @@ class ServiceReplica:
 
         from specdec.config import serve_parser
         from specdec.serving.compute import on_own_compute_thread
+        from specdec.serving.grpc_server import freeze_loaded_objects
         from specdec.telemetry.service import Telemetry
 
         logging.basicConfig(level=logging.INFO,
@@ -82,6 +83,7 @@ class ServiceReplica:
         # at one OpenMP pool all the same (specdec/serving/compute.py).
         self.handle = on_own_compute_thread(
             lambda compute: module.create(args, telemetry=self.telemetry, executor=compute))
+        freeze_loaded_objects()
         context = ray.get_runtime_context()
         self.info = ReplicaInfo(role, index,
                                 f"{ray.util.get_node_ip_address()}:{self.handle.port}",
