@@ -6,13 +6,18 @@
 //     product, SiLU times up, the down projection and residual -> the layer's output.
 // Each one is the very sequence of ATen operations that transformers' LlamaDecoderLayer
 // (LlamaRMSNorm.forward, apply_rotary_pos_emb, LlamaMLP with SiLU) runs in Python, in the
-// same order and dtypes, and the int8 products are specdec::int8_linear: every tensor gets
-// the bits it gets in Python. What goes away is the interpreter and the Python side of
-// some fifty operator calls per layer.
+// same order and dtypes, and the int8 products are specdec::int8_linear; the rotary
+// embedding of bfloat16 rows is one loop that rounds each value as ATen's three operations
+// do. Every tensor gets the bits it gets in Python. What goes away is the interpreter and
+// the Python side of some fifty operator calls per layer.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -47,6 +52,55 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
 }
 
+inline float widen(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+// Rounded to bfloat16 as ATen rounds each bfloat16 operation's float result (to nearest,
+// ties to even), and widened back.
+inline float round_bf16(float value) { return widen(c10::BFloat16(value).x); }
+
+// apply_rotary_pos_emb's (x * cos) + (rotate_half(x) * sin) for bfloat16 x [B, H, R, D]
+// and cos, sin [B, R, D], in one pass: each of ATen's three operations computes in float
+// and rounds to bfloat16 (the negation is exact), and so does this loop, value by value.
+// Other dtypes take ATen's operations.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (x.scalar_type() != at::kBFloat16 || cos.scalar_type() != at::kBFloat16 ||
+      sin.scalar_type() != at::kBFloat16 || x.dim() != 4 || cos.dim() != 3 ||
+      cos.sizes() != sin.sizes() || cos.size(0) != x.size(0) || cos.size(1) != x.size(2) ||
+      cos.size(2) != x.size(3) || x.size(3) % 2 != 0 || x.stride(3) != 1) {
+    const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+    return (x * c) + (rotate_half(x) * s);
+  }
+  const int64_t batch = x.size(0), heads = x.size(1), rows = x.size(2), dim = x.size(3);
+  const int64_t half = dim / 2;
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor out = at::empty({batch, heads, rows, dim}, x.options().memory_format(
+                                                           at::MemoryFormat::Contiguous));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(c.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* xr = xp + b * x.stride(0) + h * x.stride(1) + r * x.stride(2);
+        const uint16_t* cr = cp + (b * rows + r) * dim;
+        const uint16_t* sr = sp + (b * rows + r) * dim;
+        uint16_t* target = op + ((b * heads + h) * rows + r) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          const float rotated = d < half ? -widen(xr[d + half]) : widen(xr[d - half]);
+          const float first = round_bf16(widen(xr[d]) * widen(cr[d]));
+          const float second = round_bf16(rotated * widen(sr[d]));
+          target[d] = c10::BFloat16(first + second).x;
+        }
+      }
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_attention_inputs(
     const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
     const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
@@ -61,8 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_attention_inputs(
   const at::Tensor key = parts[1].view({batch, rows, -1, head_dim}).transpose(1, 2);
   const at::Tensor value = parts[2].view({batch, rows, -1, head_dim}).transpose(1, 2);
   // apply_rotary_pos_emb with unsqueeze_dim 1.
-  const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-  return {(query * c) + (rotate_half(query) * s), (key * c) + (rotate_half(key) * s), value};
+  return {rotary(query, cos, sin), rotary(key, cos, sin), value};
 }
 
 at::Tensor llama_layer_output(
