@@ -26,7 +26,7 @@ from specdec.engine.timing import extend_timer, round_robin
 # Bytes per second for cost files written before the bench measured the machine's read
 # rate (read_bandwidth): the reference machine's, at 2 threads.
 DEFAULT_BANDWIDTH = 15e9
-# read_bandwidth's buffer: far beyond any CPU cache, so it streams from memory as a
+# read_bandwidth's buffer: far beyond the usual CPU caches, so it streams from memory as a
 # decode step's weights do.
 BANDWIDTH_PROBE_BYTES = 256 * 1024 * 1024
 

@@ -4,7 +4,7 @@ torch's cpp_extension builds each with the machine's C++ compiler (-O3 -march=na
 OpenMP through torch's own runtime) into a cache folder per torch version and CPU, so a
 later start loads it in well under a second. specdec.engine.int8 (the int8 product),
 specdec.engine.attention (the rowwise attention) and specdec.engine.fused_step (a Llama
-layer's work around its attention) each load theirs.
+decoder layer) each load theirs.
 """
 
 from __future__ import annotations

@@ -16,11 +16,10 @@ the computation of transformers' LlamaForCausalLM forward op for op, with
   in whatever kernel the model has it;
 - each layer in C++ (csrc/llama_layer.cpp: the same ATen operations in the same order,
   the rotary embedding a loop that rounds as they do, the int8 products and the
-  attention the same operators), where that operator builds
-  and the layer has the usual shape (fused q/k/v and gate/up, SiLU): one call per layer
-  for one sequence over a plain DynamicCache (its attention and the cache's update
-  included), one call each before and after the attention for packed sessions, instead
-  of some fifty interpreter calls.
+  attention the same operators), where that operator builds and the layer has the usual
+  shape (fused q/k/v and gate/up, SiLU): one call per layer for one sequence over a plain
+  DynamicCache (its attention and the cache's update included), one call each before and
+  after the attention for packed sessions, instead of some fifty interpreter calls.
 
 Its logits and KV cache equal transformers' forward bit for bit
 (tests/test_fused_step.py), so greedy equality and the row-invariance guarantees carry
