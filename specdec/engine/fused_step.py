@@ -231,10 +231,8 @@ class FusedStep:
                 continue
             if native is not None and operators is not None:
                 query, key, value = operators[0](hidden, *native[0], cos, sin)
-                key, value = cache.update(key, value, index)
-                attended, _ = rowwise_sdpa_forward(layer.attention, query, key, value,
-                                                   attention_mask, dropout=0.0,
-                                                   scaling=layer.scaling, **kwargs)
+                attended = _attend(layer, index, query, key, value, cache, attention_mask,
+                                   kwargs)
                 hidden = operators[1](attended, hidden, *native[1])
                 continue
             residual = hidden
@@ -247,10 +245,7 @@ class FusedStep:
             key = key.view(shape).transpose(1, 2)
             value = value.view(shape).transpose(1, 2)
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
-            key, value = cache.update(key, value, index)
-            attended, _ = rowwise_sdpa_forward(layer.attention, query, key, value,
-                                               attention_mask, dropout=0.0,
-                                               scaling=layer.scaling, **kwargs)
+            attended = _attend(layer, index, query, key, value, cache, attention_mask, kwargs)
             attended = attended.reshape(batch, rows, -1).contiguous()
             hidden = residual + layer.output(attended)
             residual = hidden
@@ -265,7 +260,6 @@ class FusedStep:
         kept = (hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int)
                 else hidden[:, logits_to_keep])
         return self.lm_head(self.norm.forward(kept))
-
 
     def _whole_layer_plan(self, hidden: torch.Tensor, cache: Any,
                           attention_mask: torch.Tensor | None,
@@ -288,6 +282,17 @@ class FusedStep:
         heads = first.widths[0] // first.head_dim
         return row_plan_for(attention_mask, hidden.shape[1], keys.shape[-2] + hidden.shape[1],
                             heads // keys.shape[1], hidden.device)
+
+
+def _attend(layer: _Layer, index: int, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None,
+            kwargs: dict[str, Any]) -> torch.Tensor:
+    """The layer's new keys and values into the cache, then its rowwise attention over
+    them, as transformers' LlamaAttention does between its projections."""
+    key, value = cache.update(key, value, index)
+    attended, _ = rowwise_sdpa_forward(layer.attention, query, key, value, attention_mask,
+                                       dropout=0.0, scaling=layer.scaling, **kwargs)
+    return attended
 
 
 def install(model: nn.Module, setting: str) -> str:
