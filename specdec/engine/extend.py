@@ -20,13 +20,15 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
 
     def kv_bytes(self) -> int:
+        """The memory the cache's keys and values hold: their whole storage, which is
+        more than the positions in use where a layer grows in place or was cropped."""
         if self.cache is None:
             return 0
         total = 0
         for layer in self.cache.layers:
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(tensor, torch.Tensor):
-                    total += tensor.numel() * tensor.element_size()
+                    total += tensor.untyped_storage().nbytes()
         return total
 
 

@@ -17,9 +17,12 @@ the computation of transformers' LlamaForCausalLM forward op for op, with
 - each layer in C++ (csrc/llama_layer.cpp: the same ATen operations in the same order,
   the rotary embedding a loop that rounds as they do, the int8 products and the
   attention the same operators), where that operator builds and the layer has the usual
-  shape (fused q/k/v and gate/up, SiLU): one call per layer for one sequence over a plain
-  DynamicCache (its attention and the cache's update included), one call each before and
-  after the attention for packed sessions, instead of some fifty interpreter calls.
+  shape (fused q/k/v and gate/up, SiLU): one call per layer for one sequence (its
+  attention and the cache's update included), one call each before and after the
+  attention for packed sessions, instead of some fifty interpreter calls;
+- a KV cache that grows in place (kv_cache.GrowingCache, which the runner gives every
+  session of a model with the fused step): a forward writes its rows' keys and values
+  instead of copying each layer's cache to append them.
 
 Its logits and KV cache equal transformers' forward bit for bit
 (tests/test_fused_step.py), so greedy equality and the row-invariance guarantees carry
@@ -43,8 +46,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from specdec.engine.attention import (
@@ -57,6 +58,7 @@ from specdec.engine.attention import (
 from specdec.engine.cpu_operators import OptionalOperators
 from specdec.engine.extend import FUSED_STEP_ATTRIBUTE
 from specdec.engine.int8 import BLOCK, Int8Linear, int8_product
+from specdec.engine.kv_cache import GrowingCache, GrowingLayer
 from specdec.settings import FUSED_STEP_CHOICES
 
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -222,12 +224,14 @@ class FusedStep:
                 if operators is not None else None)
         for index, (layer, native) in enumerate(zip(self.layers, self.native, strict=True)):
             if native is not None and operators is not None and plan is not None:
-                # The whole layer in one call, the cache's new keys and values set as
-                # DynamicLayer.update sets them.
+                # The whole layer in one call, which writes the rows' keys and values into
+                # the room _whole_layer_plan reserved.
                 held = cache.layers[index]
-                hidden, held.keys, held.values = operators[2](
-                    hidden, held.keys, held.values, *native[0], cos, sin, plan.prefixes,
-                    plan.extras, plan.extra_counts, layer.scaling, *native[1])
+                hidden = operators[2](
+                    hidden, held.key_buffer, held.value_buffer, held.length, *native[0], cos,
+                    sin, plan.prefixes, plan.extras, plan.extra_counts, layer.scaling,
+                    *native[1])
+                held.advance(rows)
                 continue
             if native is not None and operators is not None:
                 query, key, value = operators[0](hidden, *native[0], cos, sin)
@@ -265,22 +269,24 @@ class FusedStep:
                           attention_mask: torch.Tensor | None,
                           kwargs: dict[str, Any]) -> RowPlan | None:
         """The rows' attention plan where every layer can run as one llama_decode_layer
-        call: one sequence in bfloat16 over a plain DynamicCache whose layers all hold
-        keys, with the rowwise operator built; None elsewhere (packed sessions, a cache
-        of another kind, a first forward)."""
+        call, with room reserved in each layer for the rows: one sequence in bfloat16
+        over a GrowingCache whose layers all hold keys, with the rowwise operator built;
+        None elsewhere (packed sessions, a cache of another kind, a first forward)."""
         if kwargs or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
-                or hidden.shape[0] != 1 or type(cache) is not DynamicCache \
-                or getattr(cache, "offloading", False) or native_rowwise_attention() is None:
+                or hidden.shape[0] != 1 or type(cache) is not GrowingCache \
+                or native_rowwise_attention() is None:
             return None
-        held = cache.layers
-        if len(held) < len(self.layers) or any(
-                type(layer) is not DynamicLayer or not layer.is_initialized
-                for layer in held[:len(self.layers)]):
+        held = [layer for layer in cache.layers[:len(self.layers)]
+                if isinstance(layer, GrowingLayer) and layer.length]
+        if len(held) < len(self.layers):
             return None
+        rows = hidden.shape[1]
+        for layer in held:
+            layer.reserve(rows)
         first = self.layers[0]
-        keys: torch.Tensor = held[0].keys  # type: ignore[union-attr,assignment]
+        keys: torch.Tensor = held[0].keys  # type: ignore[assignment]
         heads = first.widths[0] // first.head_dim
-        return row_plan_for(attention_mask, hidden.shape[1], keys.shape[-2] + hidden.shape[1],
+        return row_plan_for(attention_mask, rows, keys.shape[-2] + rows,
                             heads // keys.shape[1], hidden.device)
 
 

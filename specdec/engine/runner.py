@@ -1,8 +1,10 @@
 """A causal LM with one KV cache per session: extend, roll back, release, LRU-evict.
 
-Rollback is a crop of the transformers DynamicCache to the committed position (a slice,
-no copy); the session's TokenHistory says what the cache holds, so a request naming a
-committed position and its fingerprint is checked before anything is computed.
+Rollback is a crop of the session's transformers cache to the committed position (a
+slice, no copy: a DynamicCache, or where the fused step runs a GrowingCache, which
+writes new rows in place rather than copying the cache to append them); the session's
+TokenHistory says what the cache holds, so a request naming a committed position and its
+fingerprint is checked before anything is computed.
 
 `extend_batch` serves many sessions per forward: every session's decode-sized rows are
 packed into one sequence, each at its own positions over its own cache (PackedBatch in
@@ -41,6 +43,7 @@ from specdec.engine.extend import (
     Session,
 )
 from specdec.engine.hidden_states import Capture, capture_keys, check_layers, state_reader
+from specdec.engine.kv_cache import GrowingCache
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.vocab import VocabAdapter
 from specdec.errors import CacheSyncError, InvalidRequest, KVBudgetExhausted, SpecdecError
@@ -405,7 +408,10 @@ class ModelRunner:
     def _job(self, entry: _Admitted) -> _Job:
         request, session = entry.request, entry.session
         if session.cache is None:
-            session.cache = DynamicCache(config=self.model.config)
+            # The fused step's whole-layer operator writes into a cache that grows in
+            # place; transformers' forward keeps its own DynamicCache.
+            session.cache = (GrowingCache(self.model.config) if self._fused_step is not None
+                             else DynamicCache(config=self.model.config))
         start = len(session.history)
         chain_length = len(request.tokens) - len(request.branch_parents)
         positions = list(range(start, start + chain_length))

@@ -139,13 +139,14 @@ at::Tensor llama_layer_output(
   return hidden + int8_product(product, down_codes, down_scales, down_offsets, down_bias);
 }
 
-// A whole decoder layer for one sequence over a plain KV cache: llama_attention_inputs,
-// the cache's concatenation (transformers' DynamicLayer.update), specdec::rowwise_attention
-// over the rows' visible keys (attention.RowPlan), llama_layer_output. Returns the layer's
-// output and the cache's new keys and values.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
-    const at::Tensor& hidden, const at::Tensor& cached_keys, const at::Tensor& cached_values,
-    const at::Tensor& input_norm_weight, double input_eps, const at::Tensor& qkv_codes,
+// A whole decoder layer for one sequence over a KV cache that grows in place
+// (kv_cache.GrowingLayer): llama_attention_inputs, the rows' keys and values written into
+// the buffers at positions length.., specdec::rowwise_attention over the rows' visible
+// keys (attention.RowPlan), llama_layer_output. Returns the layer's output; the caller
+// takes the written rows into the layer (GrowingLayer.advance).
+at::Tensor llama_decode_layer(
+    const at::Tensor& hidden, const at::Tensor& key_buffer, const at::Tensor& value_buffer,
+    int64_t length, const at::Tensor& input_norm_weight, double input_eps, const at::Tensor& qkv_codes,
     const at::Tensor& qkv_scales, const at::Tensor& qkv_offsets,
     const std::optional<at::Tensor>& qkv_bias, int64_t query_width, int64_t key_width,
     int64_t value_width, int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin,
@@ -167,16 +168,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> llama_decode_layer(
   auto [query, key, value] = llama_attention_inputs(
       hidden, input_norm_weight, input_eps, qkv_codes, qkv_scales, qkv_offsets, qkv_bias,
       query_width, key_width, value_width, head_dim, cos, sin);
-  at::Tensor keys = at::cat({cached_keys, key}, -2);
-  at::Tensor values = at::cat({cached_values, value}, -2);
+  const int64_t rows = hidden.size(1);
+  TORCH_CHECK(key_buffer.dim() == 4 && value_buffer.dim() == 4 && length >= 0 &&
+                  length + rows <= key_buffer.size(2) && length + rows <= value_buffer.size(2),
+              "llama_decode_layer: the buffers hold ", key_buffer.size(2), " positions, not ",
+              length, " + ", rows);
+  key_buffer.narrow(2, length, rows).copy_(key);
+  value_buffer.narrow(2, length, rows).copy_(value);
+  const at::Tensor keys = key_buffer.narrow(2, 0, length + rows);
+  const at::Tensor values = value_buffer.narrow(2, 0, length + rows);
   const at::Tensor attended =
       attention.call(query[0], keys[0], values[0], prefixes, extras, extra_counts, scale)
           .unsqueeze(0);
-  at::Tensor output = llama_layer_output(
+  return llama_layer_output(
       attended, hidden, output_codes, output_scales, output_offsets, output_bias,
       post_norm_weight, post_eps, gate_up_codes, gate_up_scales, gate_up_offsets, gate_up_bias,
       intermediate, down_codes, down_scales, down_offsets, down_bias);
-  return {output, keys, values};
 }
 
 }  // namespace
@@ -190,8 +197,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
         "Tensor norm_weight, float eps, Tensor gate_up_codes, Tensor gate_up_scales, "
         "Tensor gate_up_offsets, Tensor? gate_up_bias, int intermediate, Tensor down_codes, "
         "Tensor down_scales, Tensor down_offsets, Tensor? down_bias) -> Tensor");
-  m.def("llama_decode_layer(Tensor hidden, Tensor cached_keys, Tensor cached_values, "
-        "Tensor input_norm_weight, float input_eps, Tensor qkv_codes, Tensor qkv_scales, "
+  m.def("llama_decode_layer(Tensor hidden, Tensor(a!) key_buffer, Tensor(b!) value_buffer, "
+        "int length, Tensor input_norm_weight, float input_eps, Tensor qkv_codes, Tensor qkv_scales, "
         "Tensor qkv_offsets, Tensor? qkv_bias, int query_width, int key_width, "
         "int value_width, int head_dim, Tensor cos, Tensor sin, Tensor prefixes, "
         "Tensor extras, Tensor extra_counts, float scale, Tensor output_codes, "
@@ -199,7 +206,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
         "Tensor post_norm_weight, float post_eps, Tensor gate_up_codes, "
         "Tensor gate_up_scales, Tensor gate_up_offsets, Tensor? gate_up_bias, "
         "int intermediate, Tensor down_codes, Tensor down_scales, Tensor down_offsets, "
-        "Tensor? down_bias) -> (Tensor, Tensor, Tensor)");
+        "Tensor? down_bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
