@@ -63,6 +63,11 @@ def _forwards(runner: ModelRunner) -> tuple[list[torch.Tensor], list[torch.Tenso
     results = runner.extend_batch([ExtendRequest("a", *held("a"), [21, 22, 23], 3),
                                    ExtendRequest("b", *held("b"), [31, 32], 2)])
     logits.extend(result.logits for result in results)  # type: ignore[union-attr]
+    position, fingerprint = held("a")
+    results = runner.extend_batch([  # packed again, a's rows a token tree
+        ExtendRequest("a", position, fingerprint, [41, 42, 43], 3, branch_parents=(position,)),
+        ExtendRequest("b", *held("b"), [51], 1)])
+    logits.extend(result.logits for result in results)  # type: ignore[union-attr]
     cache = runner._sessions["a"].cache
     return logits, [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
 
@@ -75,8 +80,9 @@ class _NoOperators:
 
 
 class _CountedOperators:
-    """The C++ layer operators, counting whole-layer calls (one sequence over a plain
-    cache) apart from the two-call layers (a first forward, packed sessions)."""
+    """The C++ layer operators, counting whole-layer calls (one sequence or packed
+    sessions over caches that hold keys) apart from the two-call layers (a first
+    forward)."""
 
     def __init__(self) -> None:
         self.whole_layers = 0
@@ -118,11 +124,12 @@ def test_every_forward_equals_transformers_bit_for_bit(monkeypatch, bias: bool, 
         fused_logits, fused_cache = _forwards(fused)
         stock_logits, stock_cache = _forwards(stock)
     assert [tuple(t.shape) for t in fused_logits] == [
-        (1, 96), (1, 96), (5, 96), (1, 96), (4, 96), (3, 96), (2, 96)]
+        (1, 96), (1, 96), (5, 96), (1, 96), (4, 96), (3, 96), (2, 96), (3, 96), (1, 96)]
     for ours, theirs in zip(fused_logits + fused_cache, stock_logits + stock_cache, strict=True):
         assert torch.equal(ours, theirs)
-    # Session a's one-sequence forwards (a chain, one row, a tree) ran whole layers.
-    assert counted.whole_layers == (3 * len(step.layers) if layers == "operators" else 0)
+    # Session a's one-sequence forwards (a chain, one row, a tree) and the two packed
+    # forwards of a and b ran whole layers; b's first forward did not.
+    assert counted.whole_layers == (5 * len(step.layers) if layers == "operators" else 0)
 
 
 def test_fused_layers_share_one_copy_of_the_weights() -> None:

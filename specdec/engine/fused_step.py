@@ -49,8 +49,9 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from specdec.engine.attention import (
+    PACKING_KWARG,
     ROWWISE_NAME,
-    RowPlan,
+    PackedBatch,
     native_rowwise_attention,
     row_plan_for,
     rowwise_sdpa_forward,
@@ -220,18 +221,17 @@ class FusedStep:
         cos, sin = self.rotary_emb(hidden, position_ids)
         batch, rows = input_ids.shape
         operators = LAYER_OPERATORS.get() if any(self.native) else None
-        plan = (self._whole_layer_plan(hidden, cache, attention_mask, kwargs)
-                if operators is not None else None)
+        whole = (self._whole_layers(hidden, cache, attention_mask, kwargs)
+                 if operators is not None and all(self.native) else None)
         for index, (layer, native) in enumerate(zip(self.layers, self.native, strict=True)):
-            if native is not None and operators is not None and plan is not None:
+            if native is not None and operators is not None and whole is not None:
                 # The whole layer in one call, which writes the rows' keys and values into
-                # the room _whole_layer_plan reserved.
-                held = cache.layers[index]
+                # the room _whole_layers reserved.
+                key_buffers, value_buffers = whole.buffers(index)
                 hidden = operators[2](
-                    hidden, held.key_buffer, held.value_buffer, held.length, *native[0], cos,
-                    sin, plan.prefixes, plan.extras, plan.extra_counts, layer.scaling,
-                    *native[1])
-                held.advance(rows)
+                    hidden, key_buffers, value_buffers, whole.lengths, whole.rows,
+                    whole.prefixes, whole.extras, whole.extra_counts, *native[0], cos, sin,
+                    layer.scaling, *native[1])
                 continue
             if native is not None and operators is not None:
                 query, key, value = operators[0](hidden, *native[0], cos, sin)
@@ -261,33 +261,81 @@ class FusedStep:
             # Contiguous, as the gate layer's own output is: the activation's kernel
             # then takes the same (vectorised) path.
             hidden = residual + layer.down(layer.act(gate.contiguous()) * up)
+        if whole is not None:
+            whole.advance()
         kept = (hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int)
                 else hidden[:, logits_to_keep])
         return self.lm_head(self.norm.forward(kept))
 
-    def _whole_layer_plan(self, hidden: torch.Tensor, cache: Any,
-                          attention_mask: torch.Tensor | None,
-                          kwargs: dict[str, Any]) -> RowPlan | None:
-        """The rows' attention plan where every layer can run as one llama_decode_layer
-        call, with room reserved in each layer for the rows: one sequence in bfloat16
-        over a GrowingCache whose layers all hold keys, with the rowwise operator built;
-        None elsewhere (packed sessions, a cache of another kind, a first forward)."""
-        if kwargs or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
-                or hidden.shape[0] != 1 or type(cache) is not GrowingCache \
-                or native_rowwise_attention() is None:
+    def _whole_layers(self, hidden: torch.Tensor, cache: Any,
+                      attention_mask: torch.Tensor | None,
+                      kwargs: dict[str, Any]) -> _WholeLayers | None:
+        """What every layer's llama_decode_layer call takes, with room reserved in each
+        sequence's cache for its rows, where every layer can run as one call: one
+        sequence or packed sessions, in bfloat16, each over a GrowingCache whose layers
+        all hold keys, each sequence's rows under a pattern the rowwise operator takes,
+        which is built; None elsewhere (a first forward, a cache of another kind)."""
+        if hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" \
+                or hidden.shape[0] != 1 or native_rowwise_attention() is None:
             return None
-        held = [layer for layer in cache.layers[:len(self.layers)]
-                if isinstance(layer, GrowingLayer) and layer.length]
-        if len(held) < len(self.layers):
+        packing = kwargs.get(PACKING_KWARG)
+        if isinstance(packing, PackedBatch) and len(kwargs) == 1:
+            caches, masks = packing.caches, packing.masks
+            rows = [end - begin for begin, end in packing.bounds]
+        elif not kwargs:
+            caches, rows, masks = [cache], [hidden.shape[1]], [attention_mask]
+        else:
             return None
-        rows = hidden.shape[1]
-        for layer in held:
-            layer.reserve(rows)
+        count = len(self.layers)
+        held: list[list[GrowingLayer]] = []
+        for sequence_cache in caches:
+            if type(sequence_cache) is not GrowingCache:
+                return None
+            layers = [layer for layer in sequence_cache.layers[:count]
+                      if isinstance(layer, GrowingLayer) and layer.length]
+            if len(layers) < count:
+                return None
+            held.append(layers)
         first = self.layers[0]
-        keys: torch.Tensor = held[0].keys  # type: ignore[assignment]
         heads = first.widths[0] // first.head_dim
-        return row_plan_for(attention_mask, rows, keys.shape[-2] + rows,
-                            heads // keys.shape[1], hidden.device)
+        plans = []
+        for layers, sequence_rows, mask in zip(held, rows, masks, strict=True):
+            keys: torch.Tensor = layers[0].keys  # type: ignore[assignment]
+            plan = row_plan_for(mask, sequence_rows, keys.shape[-2] + sequence_rows,
+                                heads // keys.shape[1], hidden.device)
+            if plan is None:
+                return None
+            plans.append(plan)
+        for layers, sequence_rows in zip(held, rows, strict=True):
+            for layer in layers:
+                layer.reserve(sequence_rows)
+        return _WholeLayers(held, [layers[0].length for layers in held], rows,
+                            [plan.prefixes for plan in plans], [plan.extras for plan in plans],
+                            [plan.extra_counts for plan in plans])
+
+
+@dataclass(frozen=True)
+class _WholeLayers:
+    """One forward's sequences as every llama_decode_layer call takes them."""
+
+    held: list[list[GrowingLayer]]  # per sequence, its cache's layers
+    lengths: list[int]  # positions each sequence's cache holds before the forward
+    rows: list[int]  # each sequence's new rows, in order
+    prefixes: list[torch.Tensor]  # each sequence's RowPlan
+    extras: list[torch.Tensor]
+    extra_counts: list[torch.Tensor]
+
+    def buffers(self, index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Layer index's key and value buffers, one per sequence."""
+        layers = [layers[index] for layers in self.held]
+        return ([layer.key_buffer for layer in layers],  # type: ignore[misc]
+                [layer.value_buffer for layer in layers])  # type: ignore[misc]
+
+    def advance(self) -> None:
+        """Take the rows every layer wrote into its cache."""
+        for layers, rows in zip(self.held, self.rows, strict=True):
+            for layer in layers:
+                layer.advance(rows)
 
 
 def _attend(layer: _Layer, index: int, query: torch.Tensor, key: torch.Tensor,

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -139,19 +140,24 @@ at::Tensor llama_layer_output(
   return hidden + int8_product(product, down_codes, down_scales, down_offsets, down_bias);
 }
 
-// A whole decoder layer for one sequence over a KV cache that grows in place
-// (kv_cache.GrowingLayer): llama_attention_inputs, the rows' keys and values written into
-// the buffers at positions length.., specdec::rowwise_attention over the rows' visible
-// keys (attention.RowPlan), llama_layer_output. Returns the layer's output; the caller
-// takes the written rows into the layer (GrowingLayer.advance).
+// A whole decoder layer for the rows of one or more sequences, each over its own KV cache
+// that grows in place (kv_cache.GrowingLayer): llama_attention_inputs for all rows; for
+// each sequence, its rows' keys and values written into its buffers at positions
+// lengths[s].. and specdec::rowwise_attention over its rows' visible keys (its
+// attention.RowPlan); llama_layer_output for all rows. The rows of sequence s follow
+// those of s - 1 (rows[s] of them), as attention.PackedBatch lays them out, and each
+// sequence's attention is the call it makes alone: a row gets the same bits whichever
+// sequences share its forward. Returns the layer's output; the caller takes the written
+// rows into each layer (GrowingLayer.advance).
 at::Tensor llama_decode_layer(
-    const at::Tensor& hidden, const at::Tensor& key_buffer, const at::Tensor& value_buffer,
-    int64_t length, const at::Tensor& input_norm_weight, double input_eps, const at::Tensor& qkv_codes,
-    const at::Tensor& qkv_scales, const at::Tensor& qkv_offsets,
-    const std::optional<at::Tensor>& qkv_bias, int64_t query_width, int64_t key_width,
-    int64_t value_width, int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& prefixes, const at::Tensor& extras, const at::Tensor& extra_counts,
-    double scale, const at::Tensor& output_codes, const at::Tensor& output_scales,
+    const at::Tensor& hidden, at::TensorList key_buffers, at::TensorList value_buffers,
+    at::IntArrayRef lengths, at::IntArrayRef rows, at::TensorList prefixes,
+    at::TensorList extras, at::TensorList extra_counts, const at::Tensor& input_norm_weight,
+    double input_eps, const at::Tensor& qkv_codes, const at::Tensor& qkv_scales,
+    const at::Tensor& qkv_offsets, const std::optional<at::Tensor>& qkv_bias,
+    int64_t query_width, int64_t key_width, int64_t value_width, int64_t head_dim,
+    const at::Tensor& cos, const at::Tensor& sin, double scale,
+    const at::Tensor& output_codes, const at::Tensor& output_scales,
     const at::Tensor& output_offsets, const std::optional<at::Tensor>& output_bias,
     const at::Tensor& post_norm_weight, double post_eps, const at::Tensor& gate_up_codes,
     const at::Tensor& gate_up_scales, const at::Tensor& gate_up_offsets,
@@ -164,24 +170,42 @@ at::Tensor llama_decode_layer(
   static const auto attention = c10::Dispatcher::singleton()
                                     .findSchemaOrThrow("specdec::rowwise_attention", "")
                                     .typed<RowwiseAttention>();
-  TORCH_CHECK(hidden.size(0) == 1, "llama_decode_layer: one sequence at a time");
+  const size_t sequences = rows.size();
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1,
+              "llama_decode_layer: hidden must be [1, rows, width]");
+  TORCH_CHECK(sequences > 0 && key_buffers.size() == sequences &&
+                  value_buffers.size() == sequences && lengths.size() == sequences &&
+                  prefixes.size() == sequences && extras.size() == sequences &&
+                  extra_counts.size() == sequences,
+              "llama_decode_layer: one buffer pair, length, row count and plan per sequence");
   auto [query, key, value] = llama_attention_inputs(
       hidden, input_norm_weight, input_eps, qkv_codes, qkv_scales, qkv_offsets, qkv_bias,
       query_width, key_width, value_width, head_dim, cos, sin);
-  const int64_t rows = hidden.size(1);
-  TORCH_CHECK(key_buffer.dim() == 4 && value_buffer.dim() == 4 && length >= 0 &&
-                  length + rows <= key_buffer.size(2) && length + rows <= value_buffer.size(2),
-              "llama_decode_layer: the buffers hold ", key_buffer.size(2), " positions, not ",
-              length, " + ", rows);
-  key_buffer.narrow(2, length, rows).copy_(key);
-  value_buffer.narrow(2, length, rows).copy_(value);
-  const at::Tensor keys = key_buffer.narrow(2, 0, length + rows);
-  const at::Tensor values = value_buffer.narrow(2, 0, length + rows);
-  const at::Tensor attended =
-      attention.call(query[0], keys[0], values[0], prefixes, extras, extra_counts, scale)
-          .unsqueeze(0);
+  std::vector<at::Tensor> attended;
+  attended.reserve(sequences);
+  int64_t start = 0;
+  for (size_t s = 0; s < sequences; ++s) {
+    const int64_t count = rows[s], length = lengths[s];
+    const at::Tensor& key_buffer = key_buffers[s];
+    const at::Tensor& value_buffer = value_buffers[s];
+    TORCH_CHECK(key_buffer.dim() == 4 && value_buffer.dim() == 4 && length >= 0 &&
+                    count > 0 && length + count <= key_buffer.size(2) &&
+                    length + count <= value_buffer.size(2),
+                "llama_decode_layer: sequence ", s, "'s buffers hold ", key_buffer.size(2),
+                " positions, not ", length, " + ", count);
+    key_buffer.narrow(2, length, count).copy_(key.narrow(2, start, count));
+    value_buffer.narrow(2, length, count).copy_(value.narrow(2, start, count));
+    attended.push_back(attention.call(query[0].narrow(1, start, count),
+                                      key_buffer.narrow(2, 0, length + count)[0],
+                                      value_buffer.narrow(2, 0, length + count)[0],
+                                      prefixes[s], extras[s], extra_counts[s], scale));
+    start += count;
+  }
+  TORCH_CHECK(start == hidden.size(1), "llama_decode_layer: the sequences have ", start,
+              " rows, hidden ", hidden.size(1));
+  const at::Tensor joined = sequences == 1 ? attended[0] : at::cat(attended, 0);
   return llama_layer_output(
-      attended, hidden, output_codes, output_scales, output_offsets, output_bias,
+      joined.unsqueeze(0), hidden, output_codes, output_scales, output_offsets, output_bias,
       post_norm_weight, post_eps, gate_up_codes, gate_up_scales, gate_up_offsets, gate_up_bias,
       intermediate, down_codes, down_scales, down_offsets, down_bias);
 }
@@ -197,16 +221,16 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
         "Tensor norm_weight, float eps, Tensor gate_up_codes, Tensor gate_up_scales, "
         "Tensor gate_up_offsets, Tensor? gate_up_bias, int intermediate, Tensor down_codes, "
         "Tensor down_scales, Tensor down_offsets, Tensor? down_bias) -> Tensor");
-  m.def("llama_decode_layer(Tensor hidden, Tensor(a!) key_buffer, Tensor(b!) value_buffer, "
-        "int length, Tensor input_norm_weight, float input_eps, Tensor qkv_codes, Tensor qkv_scales, "
-        "Tensor qkv_offsets, Tensor? qkv_bias, int query_width, int key_width, "
-        "int value_width, int head_dim, Tensor cos, Tensor sin, Tensor prefixes, "
-        "Tensor extras, Tensor extra_counts, float scale, Tensor output_codes, "
-        "Tensor output_scales, Tensor output_offsets, Tensor? output_bias, "
-        "Tensor post_norm_weight, float post_eps, Tensor gate_up_codes, "
-        "Tensor gate_up_scales, Tensor gate_up_offsets, Tensor? gate_up_bias, "
-        "int intermediate, Tensor down_codes, Tensor down_scales, Tensor down_offsets, "
-        "Tensor? down_bias) -> Tensor");
+  m.def("llama_decode_layer(Tensor hidden, Tensor(a!)[] key_buffers, "
+        "Tensor(b!)[] value_buffers, int[] lengths, int[] rows, Tensor[] prefixes, "
+        "Tensor[] extras, Tensor[] extra_counts, Tensor input_norm_weight, float input_eps, "
+        "Tensor qkv_codes, Tensor qkv_scales, Tensor qkv_offsets, Tensor? qkv_bias, "
+        "int query_width, int key_width, int value_width, int head_dim, Tensor cos, "
+        "Tensor sin, float scale, Tensor output_codes, Tensor output_scales, "
+        "Tensor output_offsets, Tensor? output_bias, Tensor post_norm_weight, "
+        "float post_eps, Tensor gate_up_codes, Tensor gate_up_scales, "
+        "Tensor gate_up_offsets, Tensor? gate_up_bias, int intermediate, Tensor down_codes, "
+        "Tensor down_scales, Tensor down_offsets, Tensor? down_bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
