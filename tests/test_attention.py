@@ -185,6 +185,38 @@ def test_the_rowwise_operator_gives_the_same_bits_on_any_thread_count() -> None:
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
 
+def test_the_packed_operator_gives_each_sequence_the_bits_of_its_own_call() -> None:
+    """Trees and one-row sequences in one packed call, on 1 and 2 threads, against each
+    sequence's own rowwise_attention call."""
+    native = attention.native_rowwise_attention()
+    assert native is not None
+    packed = torch.ops.specdec.rowwise_attention_packed
+    sequences = []
+    for context, rows in ((130, 6), (17, 1), (1, 1), (90, 6)):
+        query, key, value, mask = _tree_inputs(context, rows)
+        plan = attention.row_plan(mask if rows > 1 else None, rows, context + rows,
+                                  HEADS // KV_HEADS, torch.device("cpu"))
+        assert plan is not None
+        sequences.append((query[0], key[0], value[0], plan))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            alone = [native(q, k, v, plan.prefixes, plan.extras, plan.extra_counts, 0.125)
+                     for q, k, v, plan in sequences]
+            for first, last in ((0, 4), (1, 2), (2, 4)):
+                picked = sequences[first:last]
+                together = packed(torch.cat([q for q, _, _, _ in picked], dim=1),
+                                  [k for _, k, _, _ in picked], [v for _, _, v, _ in picked],
+                                  [plan.prefixes for *_, plan in picked],
+                                  [plan.extras for *_, plan in picked],
+                                  [plan.extra_counts for *_, plan in picked],
+                                  [q.shape[1] for q, _, _, _ in picked], 0.125)
+                assert torch.equal(together, torch.cat(alone[first:last]))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_rowwise_operator_refuses_keys_past_the_cache() -> None:
     native = attention.native_rowwise_attention()
     assert native is not None

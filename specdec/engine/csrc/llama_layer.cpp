@@ -140,15 +140,16 @@ at::Tensor llama_layer_output(
   return hidden + int8_product(product, down_codes, down_scales, down_offsets, down_bias);
 }
 
-// A whole decoder layer for the rows of one or more sequences, each over its own KV cache
-// that grows in place (kv_cache.GrowingLayer): llama_attention_inputs for all rows; for
-// each sequence, its rows' keys and values written into its buffers at positions
-// lengths[s].. and specdec::rowwise_attention over its rows' visible keys (its
-// attention.RowPlan); llama_layer_output for all rows. The rows of sequence s follow
-// those of s - 1 (rows[s] of them), as attention.PackedBatch lays them out, and each
-// sequence's attention is the call it makes alone: a row gets the same bits whichever
-// sequences share its forward. Returns the layer's output; the caller takes the written
-// rows into each layer (GrowingLayer.advance).
+// A whole decoder layer for the rows of one or more sequences, each over its own KV
+// cache that grows in place (kv_cache.GrowingLayer): llama_attention_inputs for all
+// rows; for each sequence, its rows' keys and values written into its buffers at
+// positions lengths[s]..; specdec::rowwise_attention_packed, each sequence's rows over
+// its visible keys (its attention.RowPlan); llama_layer_output for all rows. The rows
+// of sequence s follow those of s - 1 (rows[s] of them), as attention.PackedBatch lays
+// them out, and each row's attention has the bits of rowwise_attention on its sequence
+// alone: a row gets the same bits whichever sequences share its forward. Returns the
+// layer's output; the caller takes the written rows into each layer
+// (GrowingLayer.advance).
 at::Tensor llama_decode_layer(
     const at::Tensor& hidden, at::TensorList key_buffers, at::TensorList value_buffers,
     at::IntArrayRef lengths, at::IntArrayRef rows, at::TensorList prefixes,
@@ -164,12 +165,12 @@ at::Tensor llama_decode_layer(
     const std::optional<at::Tensor>& gate_up_bias, int64_t intermediate,
     const at::Tensor& down_codes, const at::Tensor& down_scales,
     const at::Tensor& down_offsets, const std::optional<at::Tensor>& down_bias) {
-  using RowwiseAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      double);
+  using PackedAttention = at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
+                                     at::TensorList, at::TensorList, at::TensorList,
+                                     at::IntArrayRef, double);
   static const auto attention = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("specdec::rowwise_attention", "")
-                                    .typed<RowwiseAttention>();
+                                    .findSchemaOrThrow("specdec::rowwise_attention_packed", "")
+                                    .typed<PackedAttention>();
   const size_t sequences = rows.size();
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1,
               "llama_decode_layer: hidden must be [1, rows, width]");
@@ -181,8 +182,9 @@ at::Tensor llama_decode_layer(
   auto [query, key, value] = llama_attention_inputs(
       hidden, input_norm_weight, input_eps, qkv_codes, qkv_scales, qkv_offsets, qkv_bias,
       query_width, key_width, value_width, head_dim, cos, sin);
-  std::vector<at::Tensor> attended;
-  attended.reserve(sequences);
+  std::vector<at::Tensor> keys, values;
+  keys.reserve(sequences);
+  values.reserve(sequences);
   int64_t start = 0;
   for (size_t s = 0; s < sequences; ++s) {
     const int64_t count = rows[s], length = lengths[s];
@@ -195,17 +197,16 @@ at::Tensor llama_decode_layer(
                 " positions, not ", length, " + ", count);
     key_buffer.narrow(2, length, count).copy_(key.narrow(2, start, count));
     value_buffer.narrow(2, length, count).copy_(value.narrow(2, start, count));
-    attended.push_back(attention.call(query[0].narrow(1, start, count),
-                                      key_buffer.narrow(2, 0, length + count)[0],
-                                      value_buffer.narrow(2, 0, length + count)[0],
-                                      prefixes[s], extras[s], extra_counts[s], scale));
+    keys.push_back(key_buffer.narrow(2, 0, length + count)[0]);
+    values.push_back(value_buffer.narrow(2, 0, length + count)[0]);
     start += count;
   }
   TORCH_CHECK(start == hidden.size(1), "llama_decode_layer: the sequences have ", start,
               " rows, hidden ", hidden.size(1));
-  const at::Tensor joined = sequences == 1 ? attended[0] : at::cat(attended, 0);
+  const at::Tensor attended =
+      attention.call(query[0], keys, values, prefixes, extras, extra_counts, rows, scale);
   return llama_layer_output(
-      joined.unsqueeze(0), hidden, output_codes, output_scales, output_offsets, output_bias,
+      attended.unsqueeze(0), hidden, output_codes, output_scales, output_offsets, output_bias,
       post_norm_weight, post_eps, gate_up_codes, gate_up_scales, gate_up_offsets, gate_up_bias,
       intermediate, down_codes, down_scales, down_offsets, down_bias);
 }

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -50,12 +51,23 @@ inline float dot(const float* a, const float* b, int64_t count) {
   return lanes[0];
 }
 
+// One sequence's part of a call: its rows of the query, its keys and values, its plan
+// (checked), and where its rows' outputs go.
+struct Sequence {
+  const uint16_t *query, *key, *value;
+  int64_t query_head_stride, query_row_stride, key_head_stride, key_row_stride,
+      value_head_stride, value_row_stride;
+  at::Tensor prefixes, extras, extra_counts;  // int64, contiguous
+  int64_t rows, extra_width;
+  uint16_t* out;  // [rows, H, D]
+};
+
 // query [H, q, D] (any strides, unit last), key and value [H_kv, L, D] (unit last),
-// prefixes [q], extras [q, E], extra_counts [q] (int64) -> [q, H, D] bfloat16.
-at::Tensor rowwise_attention(const at::Tensor& query, const at::Tensor& key,
-                             const at::Tensor& value, const at::Tensor& prefixes,
-                             const at::Tensor& extras, const at::Tensor& extra_counts,
-                             double scale) {
+// prefixes [q], extras [q, E], extra_counts [q]; out: [q, H, D] bfloat16, contiguous.
+Sequence checked_sequence(const at::Tensor& query, const at::Tensor& key,
+                          const at::Tensor& value, const at::Tensor& prefixes,
+                          const at::Tensor& extras, const at::Tensor& extra_counts,
+                          int64_t heads, int64_t dim, uint16_t* out) {
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
                   value.scalar_type() == at::kBFloat16,
               "rowwise_attention: query, key and value must be bfloat16");
@@ -63,85 +75,168 @@ at::Tensor rowwise_attention(const at::Tensor& query, const at::Tensor& key,
               "rowwise_attention: query [H, q, D], key and value [H_kv, L, D]");
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
               "rowwise_attention: the head dimension must be contiguous");
-  const int64_t heads = query.size(0), rows = query.size(1), dim = query.size(2);
-  const int64_t kv_heads = key.size(0), keys = key.size(1);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && value.size(0) == kv_heads &&
-                  key.size(2) == dim && value.size(1) == keys,
+  const int64_t rows = query.size(1), kv_heads = key.size(0), keys = key.size(1);
+  TORCH_CHECK(query.size(0) == heads && query.size(2) == dim && kv_heads > 0 &&
+                  heads % kv_heads == 0 && value.size(0) == kv_heads && key.size(2) == dim &&
+                  value.size(1) == keys && value.size(2) == dim,
               "rowwise_attention: query heads must be a multiple of the key/value heads, "
               "and key and value must agree");
-  const at::Tensor pre = prefixes.to(at::kLong).contiguous();
-  const at::Tensor ext = extras.to(at::kLong).contiguous();
-  const at::Tensor cnt = extra_counts.to(at::kLong).contiguous();
-  TORCH_CHECK(pre.numel() == rows && cnt.numel() == rows && ext.dim() == 2 &&
-                  ext.size(0) == rows,
+  Sequence sequence{
+      reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()),
+      reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>()),
+      reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>()),
+      query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
+      value.stride(1), prefixes.to(at::kLong).contiguous(), extras.to(at::kLong).contiguous(),
+      extra_counts.to(at::kLong).contiguous(), rows, 0, out};
+  const at::Tensor& ext = sequence.extras;
+  TORCH_CHECK(sequence.prefixes.numel() == rows && sequence.extra_counts.numel() == rows &&
+                  ext.dim() == 2 && ext.size(0) == rows,
               "rowwise_attention: prefixes, extras and extra_counts need one entry per row");
-  const int64_t extra_width = ext.size(1);
-  const int64_t* pp = pre.data_ptr<int64_t>();
+  sequence.extra_width = ext.size(1);
+  const int64_t* pp = sequence.prefixes.data_ptr<int64_t>();
   const int64_t* ep = ext.data_ptr<int64_t>();
-  const int64_t* cp = cnt.data_ptr<int64_t>();
+  const int64_t* cp = sequence.extra_counts.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(pp[r] >= 0 && pp[r] <= keys && cp[r] >= 0 && cp[r] <= extra_width &&
+    TORCH_CHECK(pp[r] >= 0 && pp[r] <= keys && cp[r] >= 0 && cp[r] <= sequence.extra_width &&
                     pp[r] + cp[r] > 0,
                 "rowwise_attention: row ", r, " sees no key or keys past the cache");
     for (int64_t e = 0; e < cp[r]; ++e)
-      TORCH_CHECK(ep[r * extra_width + e] >= 0 && ep[r * extra_width + e] < keys,
+      TORCH_CHECK(ep[r * sequence.extra_width + e] >= 0 &&
+                      ep[r * sequence.extra_width + e] < keys,
                   "rowwise_attention: row ", r, " names a key past the cache");
   }
+  return sequence;
+}
+
+// Scratch for one thread's tasks.
+struct Scratch {
+  std::vector<float> q, kv, acc, sums, scores;
+};
+
+// Row r of a sequence for query heads first_head .. first_head + count - 1, which share
+// one key/value head; each head's sums are its own, whichever heads share the call.
+void attend_row(const Sequence& sequence, int64_t r, int64_t first_head, int64_t count,
+                int64_t groups, int64_t heads, int64_t dim, float scale, Scratch& scratch) {
+  const int64_t h_kv = first_head / groups;
+  const int64_t prefix = sequence.prefixes.data_ptr<int64_t>()[r];
+  const int64_t keys = prefix + sequence.extra_counts.data_ptr<int64_t>()[r];
+  const int64_t* row_extras = sequence.extras.data_ptr<int64_t>() + r * sequence.extra_width;
+  auto slot = [&](int64_t j) { return j < prefix ? j : row_extras[j - prefix]; };
+  scratch.q.resize(count * dim);
+  scratch.kv.resize(dim);
+  scratch.acc.assign(count * dim, 0.0f);
+  scratch.sums.resize(count);
+  float* q = scratch.q.data();
+  float* kv = scratch.kv.data();
+  for (int64_t g = 0; g < count; ++g)
+    widen(sequence.query + (first_head + g) * sequence.query_head_stride +
+              r * sequence.query_row_stride,
+          dim, q + g * dim);
+  scratch.scores.assign(count * keys, 0.0f);
+  float* scores = scratch.scores.data();
+  for (int64_t j = 0; j < keys; ++j) {
+    widen(sequence.key + h_kv * sequence.key_head_stride + slot(j) * sequence.key_row_stride,
+          dim, kv);
+    for (int64_t g = 0; g < count; ++g) scores[g * keys + j] = dot(q + g * dim, kv, dim) * scale;
+  }
+  for (int64_t g = 0; g < count; ++g) {
+    float* s = scores + g * keys;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < keys; ++j) {
+      s[j] = std::exp(s[j] - top);
+      sum += s[j];
+    }
+    scratch.sums[g] = sum;
+  }
+  float* acc = scratch.acc.data();
+  for (int64_t j = 0; j < keys; ++j) {
+    widen(sequence.value + h_kv * sequence.value_head_stride +
+              slot(j) * sequence.value_row_stride,
+          dim, kv);
+    for (int64_t g = 0; g < count; ++g) {
+      const float p = scores[g * keys + j];
+      float* a = acc + g * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * kv[d];
+    }
+  }
+  for (int64_t g = 0; g < count; ++g) {
+    uint16_t* target = sequence.out + (r * heads + first_head + g) * dim;
+    for (int64_t d = 0; d < dim; ++d)
+      target[d] = c10::BFloat16(acc[g * dim + d] / scratch.sums[g]).x;
+  }
+}
+
+// Every row of every sequence, split over torch's threads: a task is one row and one
+// key/value head, whose query heads share each widened key and value.
+void attend(const std::vector<Sequence>& sequences, int64_t heads, int64_t kv_heads,
+            int64_t dim, double scale) {
   const int64_t groups = heads / kv_heads;
-  at::Tensor out = at::empty({rows, heads, dim}, query.options().memory_format(
-                                                     at::MemoryFormat::Contiguous));
-  const auto* qp = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
-  const int64_t vs0 = value.stride(0), vs1 = value.stride(1);
+  std::vector<std::pair<size_t, int64_t>> rows;  // (sequence, row) for each row
+  for (size_t s = 0; s < sequences.size(); ++s)
+    for (int64_t r = 0; r < sequences[s].rows; ++r) rows.emplace_back(s, r);
+  const int64_t total = static_cast<int64_t>(rows.size());
   const float scale_f = static_cast<float>(scale);
-  // One task per (row, key/value head): its query heads share each widened key and value.
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(groups * dim), kv(dim), acc(groups * dim), sums(groups);
-    std::vector<float> scores;
+  at::parallel_for(0, total * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h_kv = task % kv_heads;
-      const int64_t prefix = pp[r], count = prefix + cp[r];
-      const int64_t* row_extras = ep + r * extra_width;
-      auto slot = [&](int64_t j) { return j < prefix ? j : row_extras[j - prefix]; };
-      for (int64_t g = 0; g < groups; ++g)
-        widen(qp + (h_kv * groups + g) * qs0 + r * qs1, dim, q.data() + g * dim);
-      scores.assign(groups * count, 0.0f);
-      for (int64_t j = 0; j < count; ++j) {
-        widen(kp + h_kv * ks0 + slot(j) * ks1, dim, kv.data());
-        for (int64_t g = 0; g < groups; ++g)
-          scores[g * count + j] = dot(q.data() + g * dim, kv.data(), dim) * scale_f;
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        float* s = scores.data() + g * count;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < count; ++j) top = std::max(top, s[j]);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < count; ++j) {
-          s[j] = std::exp(s[j] - top);
-          sum += s[j];
-        }
-        sums[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < count; ++j) {
-        widen(vp + h_kv * vs0 + slot(j) * vs1, dim, kv.data());
-        for (int64_t g = 0; g < groups; ++g) {
-          const float p = scores[g * count + j];
-          float* a = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * kv[d];
-        }
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        uint16_t* target = op + (r * heads + h_kv * groups + g) * dim;
-        for (int64_t d = 0; d < dim; ++d)
-          target[d] = c10::BFloat16(acc[g * dim + d] / sums[g]).x;
-      }
+      const auto [s, r] = rows[task / kv_heads];
+      attend_row(sequences[s], r, (task % kv_heads) * groups, groups, groups, heads, dim,
+                 scale_f, scratch);
     }
   });
+}
+
+at::Tensor rowwise_attention(const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, const at::Tensor& prefixes,
+                             const at::Tensor& extras, const at::Tensor& extra_counts,
+                             double scale) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3,
+              "rowwise_attention: query [H, q, D], key and value [H_kv, L, D]");
+  const int64_t heads = query.size(0), rows = query.size(1), dim = query.size(2);
+  at::Tensor out = at::empty({rows, heads, dim}, query.options().memory_format(
+                                                     at::MemoryFormat::Contiguous));
+  const std::vector<Sequence> sequences{checked_sequence(
+      query, key, value, prefixes, extras, extra_counts, heads, dim,
+      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()))};
+  attend(sequences, heads, key.size(0), dim, scale);
+  return out;
+}
+
+// Several sequences' rows in one call: query [H, total rows, D], the rows of sequence s
+// after those of s - 1 (rows[s] of them), each over its own keys and values with its own
+// plan -> [total rows, H, D]. Each row gets the bits of rowwise_attention on its sequence
+// alone.
+at::Tensor rowwise_attention_packed(const at::Tensor& query, at::TensorList keys,
+                                    at::TensorList values, at::TensorList prefixes,
+                                    at::TensorList extras, at::TensorList extra_counts,
+                                    at::IntArrayRef rows, double scale) {
+  const size_t count = rows.size();
+  TORCH_CHECK(query.dim() == 3 && count > 0 && keys.size() == count &&
+                  values.size() == count && prefixes.size() == count &&
+                  extras.size() == count && extra_counts.size() == count,
+              "rowwise_attention_packed: query [H, rows, D], one key, value and plan per "
+              "sequence");
+  const int64_t heads = query.size(0), total = query.size(1), dim = query.size(2);
+  at::Tensor out = at::empty({total, heads, dim}, query.options().memory_format(
+                                                      at::MemoryFormat::Contiguous));
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::vector<Sequence> sequences;
+  sequences.reserve(count);
+  int64_t start = 0;
+  for (size_t s = 0; s < count; ++s) {
+    TORCH_CHECK(rows[s] > 0 && start + rows[s] <= total && keys[s].dim() == 3 &&
+                    keys[s].size(0) == keys[0].size(0),
+                "rowwise_attention_packed: sequence ", s, " does not fit the query");
+    sequences.push_back(checked_sequence(query.narrow(1, start, rows[s]), keys[s], values[s],
+                                         prefixes[s], extras[s], extra_counts[s], heads, dim,
+                                         op + start * heads * dim));
+    start += rows[s];
+  }
+  TORCH_CHECK(start == total, "rowwise_attention_packed: the sequences have ", start,
+              " rows, the query ", total);
+  attend(sequences, heads, keys[0].size(0), dim, scale);
   return out;
 }
 
@@ -150,8 +245,12 @@ at::Tensor rowwise_attention(const at::Tensor& query, const at::Tensor& key,
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("rowwise_attention(Tensor query, Tensor key, Tensor value, Tensor prefixes, "
         "Tensor extras, Tensor extra_counts, float scale) -> Tensor");
+  m.def("rowwise_attention_packed(Tensor query, Tensor[] keys, Tensor[] values, "
+        "Tensor[] prefixes, Tensor[] extras, Tensor[] extra_counts, int[] rows, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("rowwise_attention", &rowwise_attention);
+  m.impl("rowwise_attention_packed", &rowwise_attention_packed);
 }
