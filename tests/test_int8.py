@@ -64,6 +64,8 @@ def test_the_operator_computes_x_times_the_weight_it_holds(in_features: int,
                                                            bias: bool) -> None:
     layer = _layer(in_features, out_features, bias)
     quantized = int8.Int8Linear(layer)
+    # One scale and one offset per group of 32 weights: no more bytes than that to read.
+    assert quantized.scales.shape == quantized.offsets.shape == (out_features, in_features // 32)
     x = torch.randn(7, in_features).bfloat16()
     weight = int8.dequantize(*int8.quantize(layer.weight))
     expected = x.float() @ weight.T + (layer.bias.detach() if bias else 0)

@@ -124,7 +124,7 @@ class Int8Linear(nn.Module):
                              f"{linear.out_features}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # The operator's layout (int8_pack): codes reordered so that each vector lane
-        # sums one group's inputs, scales and offsets as per-lane vectors.
+        # sums one group's inputs; a scale and an offset per group.
         codes, scales, offsets = torch.ops.specdec.int8_pack(*quantize(linear.weight))
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)

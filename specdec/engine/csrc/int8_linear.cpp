@@ -10,7 +10,9 @@
 // a super-block of n groups gives each group 16 / n lanes and takes n vector steps. A
 // lane's dot products (vdpbf16ps) then sum inputs of one group, so the group scales
 // apply once per super-block as a vector of per-lane scales, and the offsets likewise
-// against per-lane sums of the inputs. Per row and 32 weights that is one vdpbf16ps
+// against per-lane sums of the inputs. The scales and offsets are kept once per group
+// and spread over a super-block's lanes as they load (a permute where n < 16), so the
+// bytes a token reads are the codes and one scale and offset per 32 of them. Per row and 32 weights that is one vdpbf16ps
 // and a sixteenth of a multiply-add; the weights are decoded once per call whatever
 // the row count, so a verification's extra rows cost little.
 //
@@ -79,7 +81,7 @@ inline float bf16_to_float(uint16_t bits) {
 }
 
 // (codes [N, K] in input order, scales and offsets [N, K / 32]) -> (codes [N / 4, K / 32,
-// 4, 32] in packed order, lane scales and lane offsets [N, super-blocks, 16]).
+// 4, 32] in packed order, scales and offsets [N, K / 32] as float32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes,
                                                          const at::Tensor& scales,
                                                          const at::Tensor& offsets) {
@@ -90,32 +92,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes
   const at::Tensor c = codes.contiguous(), s = scales.to(at::kFloat).contiguous(),
                    o = offsets.to(at::kFloat).contiguous();
   const auto blocks = super_blocks(groups);
-  const int64_t count = static_cast<int64_t>(blocks.size());
   at::Tensor packed = at::empty({N / BLOCK_N, groups, BLOCK_N, GROUP}, codes.options());
-  at::Tensor lane_scales = at::zeros({N, count, LANES}, s.options());
-  at::Tensor lane_offsets = at::zeros({N, count, LANES}, s.options());
+  TORCH_CHECK(s.numel() == N * groups && o.numel() == N * groups,
+              "int8_pack: scales and offsets need one value per group of 32 inputs");
   const uint8_t* cp = c.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
-  const float* op = o.data_ptr<float>();
   uint8_t* pp = packed.data_ptr<uint8_t>();
-  float* lsp = lane_scales.data_ptr<float>();
-  float* lop = lane_offsets.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t b = 0; b < count; ++b) {
-      const SuperBlock& block = blocks[b];
-      const int64_t lanes_per_group = LANES / block.groups;
-      for (int64_t lane = 0; lane < LANES; ++lane) {
-        const int64_t group = block.first_step + lane / lanes_per_group;
-        lsp[(n * count + b) * LANES + lane] = sp[n * groups + group];
-        lop[(n * count + b) * LANES + lane] = op[n * groups + group];
-      }
+    for (const SuperBlock& block : blocks)
       for (int64_t step = block.first_step; step < block.first_step + block.groups; ++step)
         for (int64_t lane = 0; lane < LANES; ++lane)
           for (int64_t pair = 0; pair < 2; ++pair)
             pp[(((n / BLOCK_N) * groups + step) * BLOCK_N + n % BLOCK_N) * GROUP + 2 * lane + pair] =
                 cp[n * K + source_index(block, step, lane, pair)];
-    }
-  return {packed, lane_scales, lane_offsets};
+  return {packed, s.clone().view({N, groups}), o.clone().view({N, groups})};
 }
 
 #ifdef SPECDEC_AVX512BF16
@@ -128,13 +117,24 @@ inline __m512bh load_bf16(const uint16_t* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
 
+// A super-block's per-lane values from one output's per-group values: lane l holds
+// group first_step + l / (16 / groups) (lane_index).
+inline __m512 lane_values(const float* per_group, const SuperBlock& block, __m512i lane_index) {
+  const float* values = per_group + block.first_step;
+  if (block.groups == LANES) return _mm512_loadu_ps(values);
+  const __mmask16 held = static_cast<__mmask16>((1u << block.groups) - 1);
+  return _mm512_permutexvar_ps(lane_index, _mm512_maskz_loadu_ps(held, values));
+}
+
 // RM rows x BLOCK_N outputs over every super-block; out[i * BLOCK_N + j]. A super-block's
 // dot products stay in registers (RM * BLOCK_N of them); the running sums across
 // super-blocks wait in L1 (acc), so up to BLOCK_M rows share each decoded weight vector.
+// scales and offsets: the block's first output's per-group values (groups per output).
 template <int RM>
 void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
-               const std::vector<SuperBlock>& blocks, const uint16_t* w, const float* scales,
-               const float* offsets, float* out) {
+               const std::vector<SuperBlock>& blocks, const std::vector<__m512i>& lane_index,
+               const uint16_t* w, const float* scales, const float* offsets, float* out) {
+  const int64_t groups = K / GROUP;
   const int64_t count = static_cast<int64_t>(blocks.size());
   alignas(64) float acc[RM][BLOCK_N][LANES] = {};
   for (int64_t b = 0; b < count; ++b) {
@@ -151,8 +151,8 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
       }
     }
     for (int j = 0; j < BLOCK_N; ++j) {
-      const __m512 s = _mm512_loadu_ps(scales + (j * count + b) * LANES);
-      const __m512 o = _mm512_loadu_ps(offsets + (j * count + b) * LANES);
+      const __m512 s = lane_values(scales + j * groups, blocks[b], lane_index[b]);
+      const __m512 o = lane_values(offsets + j * groups, blocks[b], lane_index[b]);
       for (int i = 0; i < RM; ++i) {
         __m512 a = _mm512_fmadd_ps(part[i][j], s, _mm512_load_ps(acc[i][j]));
         a = _mm512_fmadd_ps(o, _mm512_loadu_ps(x_lane_sums + (i * count + b) * LANES), a);
@@ -168,9 +168,10 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 // Any other CPU: the same sums lane by lane in float32.
 template <int RM>
 void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
-               const std::vector<SuperBlock>& blocks, const uint16_t* w, const float* scales,
-               const float* offsets, float* out) {
+               const std::vector<SuperBlock>& blocks, const std::vector<int>& /*lane_index*/,
+               const uint16_t* w, const float* scales, const float* offsets, float* out) {
   const int64_t count = static_cast<int64_t>(blocks.size());
+  const int64_t groups = K / GROUP;
   for (int i = 0; i < RM; ++i)
     for (int64_t j = 0; j < BLOCK_N; ++j) {
       float acc[LANES] = {0};
@@ -184,9 +185,9 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
                           bf16_to_float(x[i * K + k + 1]) * bf16_to_float(w[j * K + k + 1]);
           }
         for (int64_t lane = 0; lane < LANES; ++lane) {
-          acc[lane] += part[lane] * scales[(j * count + b) * LANES + lane];
-          acc[lane] += offsets[(j * count + b) * LANES + lane] *
-                       x_lane_sums[(i * count + b) * LANES + lane];
+          const int64_t group = blocks[b].first_step + lane / (LANES / blocks[b].groups);
+          acc[lane] += part[lane] * scales[j * groups + group];
+          acc[lane] += offsets[j * groups + group] * x_lane_sums[(i * count + b) * LANES + lane];
         }
       }
       for (int width = LANES / 2; width > 0; width /= 2)
@@ -209,8 +210,19 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
   const int64_t count = static_cast<int64_t>(blocks.size());
   TORCH_CHECK(scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kFloat &&
                   scales.is_contiguous() && offsets.is_contiguous() &&
-                  scales.numel() == N * count * LANES && offsets.numel() == N * count * LANES,
+                  scales.numel() == N * groups && offsets.numel() == N * groups,
               "int8_linear: scales and offsets must come from int8_pack");
+#ifdef SPECDEC_AVX512BF16
+  std::vector<__m512i> lane_index;
+  for (const SuperBlock& block : blocks) {
+    alignas(64) int32_t index[LANES];
+    for (int64_t lane = 0; lane < LANES; ++lane)
+      index[lane] = static_cast<int32_t>(lane / (LANES / block.groups));
+    lane_index.push_back(_mm512_load_si512(index));
+  }
+#else
+  const std::vector<int> lane_index;
+#endif
   const at::Tensor x = input.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
   auto out_sizes = input.sizes().vec();
@@ -286,15 +298,15 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
         const int64_t rows = (left + passes - 1) / passes;
         const uint16_t* xrow = packed_x.data() + m0 * K;
         const float* sums = lane_sums.data() + m0 * count * LANES;
-        const float* block_scales = sp + n0 * count * LANES;
-        const float* block_offsets = op + n0 * count * LANES;
+        const float* block_scales = sp + n0 * groups;
+        const float* block_offsets = op + n0 * groups;
         switch (rows) {
-          case 6: dot_block<6>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
-          case 5: dot_block<5>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
-          case 4: dot_block<4>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
-          case 3: dot_block<3>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
-          case 2: dot_block<2>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
-          default: dot_block<1>(xrow, sums, K, blocks, decoded.data(), block_scales, block_offsets, dots); break;
+          case 6: dot_block<6>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
+          case 5: dot_block<5>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
+          case 4: dot_block<4>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
+          case 3: dot_block<3>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
+          case 2: dot_block<2>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
+          default: dot_block<1>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
         }
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j < BLOCK_N; ++j) {
