@@ -12,9 +12,10 @@
 // apply once per super-block as a vector of per-lane scales, and the offsets likewise
 // against per-lane sums of the inputs. The scales and offsets are kept once per group
 // and spread over a super-block's lanes as they load (a permute where n < 16), so the
-// bytes a token reads are the codes and one scale and offset per 32 of them. Per row and 32 weights that is one vdpbf16ps
-// and a sixteenth of a multiply-add; the weights are decoded once per call whatever
-// the row count, so a verification's extra rows cost little.
+// bytes a token reads are the codes and one scale and offset per 32 of them. Per row and
+// 32 weights that is one vdpbf16ps and a sixteenth of a multiply-add. The weights are
+// decoded in registers as they are used, once for up to 6 rows, so a verification's
+// extra rows cost little.
 //
 // Each output element is one sum whose order depends on the layer's width alone: never
 // on how many rows share the call, where a row sits among them, or how outputs are
@@ -126,14 +127,33 @@ inline __m512 lane_values(const float* per_group, const SuperBlock& block, __m51
   return _mm512_permutexvar_ps(lane_index, _mm512_maskz_loadu_ps(held, values));
 }
 
+// A block's BLOCK_N weight vectors, decoded from the packed codes as dot_block reads
+// them (into registers, never to memory), with the codes PREFETCH_BYTES ahead asked for.
+struct PackedCodes {
+  const uint8_t* codes;  // every block's codes
+  int64_t block_offset;  // this block's first code
+  int64_t code_bytes;
+  __m512bh operator()(int j, int64_t step) const {
+    return decode32(codes + block_offset + (step * BLOCK_N + j) * GROUP);
+  }
+  void prefetch(int64_t step) const {
+    const int64_t ahead = block_offset + step * BLOCK_N * GROUP + PREFETCH_BYTES;
+    if (ahead + BLOCK_N * GROUP <= code_bytes) {  // a step's codes: two cache lines
+      __builtin_prefetch(codes + ahead, 0, 3);
+      __builtin_prefetch(codes + ahead + 64, 0, 3);
+    }
+  }
+};
+
 // RM rows x BLOCK_N outputs over every super-block; out[i * BLOCK_N + j]. A super-block's
 // dot products stay in registers (RM * BLOCK_N of them); the running sums across
-// super-blocks wait in L1 (acc), so up to BLOCK_M rows share each decoded weight vector.
+// super-blocks wait in L1 (acc), so up to BLOCK_M rows share each decoded weight vector
+// (more rows take more passes, each decoding the block's codes again from L1).
 // scales and offsets: the block's first output's per-group values (groups per output).
-template <int RM>
+template <int RM, typename Weights>
 void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
                const std::vector<SuperBlock>& blocks, const std::vector<__m512i>& lane_index,
-               const uint16_t* w, const float* scales, const float* offsets, float* out) {
+               const Weights& weights, const float* scales, const float* offsets, float* out) {
   const int64_t groups = K / GROUP;
   const int64_t count = static_cast<int64_t>(blocks.size());
   alignas(64) float acc[RM][BLOCK_N][LANES] = {};
@@ -143,8 +163,9 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
       for (int j = 0; j < BLOCK_N; ++j) part[i][j] = _mm512_setzero_ps();
     const int64_t end = blocks[b].first_step + blocks[b].groups;
     for (int64_t step = blocks[b].first_step; step < end; ++step) {
+      weights.prefetch(step);
       __m512bh wv[BLOCK_N];
-      for (int j = 0; j < BLOCK_N; ++j) wv[j] = load_bf16(w + j * K + step * GROUP);
+      for (int j = 0; j < BLOCK_N; ++j) wv[j] = weights(j, step);
       for (int i = 0; i < RM; ++i) {
         const __m512bh xv = load_bf16(x + i * K + step * GROUP);
         for (int j = 0; j < BLOCK_N; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], xv, wv[j]);
@@ -166,10 +187,16 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 }
 #else
 // Any other CPU: the same sums lane by lane in float32.
-template <int RM>
+struct DecodedWeights {
+  const uint16_t* decoded;  // [BLOCK_N, K]
+  int64_t K;
+};
+
+template <int RM, typename Weights>
 void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
                const std::vector<SuperBlock>& blocks, const std::vector<int>& /*lane_index*/,
-               const uint16_t* w, const float* scales, const float* offsets, float* out) {
+               const Weights& weights, const float* scales, const float* offsets, float* out) {
+  const uint16_t* w = weights.decoded;
   const int64_t count = static_cast<int64_t>(blocks.size());
   const int64_t groups = K / GROUP;
   for (int i = 0; i < RM; ++i)
@@ -196,6 +223,20 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
     }
 }
 #endif
+
+template <typename Weights, typename LaneIndex>
+void dot_rows(int64_t rows, const uint16_t* x, const float* x_lane_sums, int64_t K,
+              const std::vector<SuperBlock>& blocks, const LaneIndex& lane_index,
+              const Weights& weights, const float* scales, const float* offsets, float* out) {
+  switch (rows) {
+    case 6: dot_block<6>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
+    case 5: dot_block<5>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
+    case 4: dot_block<4>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
+    case 3: dot_block<3>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
+    case 2: dot_block<2>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
+    default: dot_block<1>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
+  }
+}
 
 at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
                        const at::Tensor& scales, const at::Tensor& offsets,
@@ -268,26 +309,23 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
   // Enough output blocks per task that each reads about 128 KiB of codes.
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / (BLOCK_N * K));
   at::parallel_for(0, N / BLOCK_N, grain, [&](int64_t begin, int64_t end) {
+#ifndef SPECDEC_AVX512BF16
     std::vector<uint16_t> decoded(BLOCK_N * K);
+#endif
     float dots[BLOCK_M * BLOCK_N];
     for (int64_t nb = begin; nb < end; ++nb) {
-      const uint8_t* block_codes = cp + nb * groups * BLOCK_N * GROUP;
-      for (int64_t step = 0; step < groups; ++step) {
-        const int64_t ahead = (nb * groups + step) * BLOCK_N * GROUP + PREFETCH_BYTES;
-        if (ahead + BLOCK_N * GROUP <= code_bytes) {  // a step's codes: two cache lines
-          __builtin_prefetch(cp + ahead, 0, 3);
-          __builtin_prefetch(cp + ahead + 64, 0, 3);
-        }
-        for (int64_t j = 0; j < BLOCK_N; ++j) {
-          const uint8_t* src = block_codes + (step * BLOCK_N + j) * GROUP;
-          uint16_t* dst = decoded.data() + j * K + step * GROUP;
+      const int64_t block_offset = nb * groups * BLOCK_N * GROUP;
 #ifdef SPECDEC_AVX512BF16
-          _mm512_storeu_si512(reinterpret_cast<void*>(dst), (__m512i)decode32(src));
+      const PackedCodes weights{cp, block_offset, code_bytes};
 #else
+      for (int64_t step = 0; step < groups; ++step)
+        for (int64_t j = 0; j < BLOCK_N; ++j) {
+          const uint8_t* src = cp + block_offset + (step * BLOCK_N + j) * GROUP;
+          uint16_t* dst = decoded.data() + j * K + step * GROUP;
           for (int64_t i = 0; i < GROUP; ++i) dst[i] = static_cast<uint16_t>(0x4300 | src[i]);
-#endif
         }
-      }
+      const DecodedWeights weights{decoded.data(), K};
+#endif
       const int64_t n0 = nb * BLOCK_N;
       for (int64_t m0 = 0; m0 < M;) {
         // Up to BLOCK_M rows share each decoded weight vector, the rows split into
@@ -296,18 +334,8 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
         const int64_t left = M - m0;
         const int64_t passes = (left + BLOCK_M - 1) / BLOCK_M;
         const int64_t rows = (left + passes - 1) / passes;
-        const uint16_t* xrow = packed_x.data() + m0 * K;
-        const float* sums = lane_sums.data() + m0 * count * LANES;
-        const float* block_scales = sp + n0 * groups;
-        const float* block_offsets = op + n0 * groups;
-        switch (rows) {
-          case 6: dot_block<6>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
-          case 5: dot_block<5>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
-          case 4: dot_block<4>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
-          case 3: dot_block<3>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
-          case 2: dot_block<2>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
-          default: dot_block<1>(xrow, sums, K, blocks, lane_index, decoded.data(), block_scales, block_offsets, dots); break;
-        }
+        dot_rows(rows, packed_x.data() + m0 * K, lane_sums.data() + m0 * count * LANES, K,
+                 blocks, lane_index, weights, sp + n0 * groups, op + n0 * groups, dots);
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j < BLOCK_N; ++j) {
             float value = dots[i * BLOCK_N + j];
