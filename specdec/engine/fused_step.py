@@ -17,9 +17,10 @@ the computation of transformers' LlamaForCausalLM forward op for op, with
 - each layer in C++ (csrc/llama_layer.cpp: the same ATen operations in the same order,
   the rotary embedding a loop that rounds as they do, the int8 products and the
   attention the same operators), where that operator builds and the layer has the usual
-  shape (fused q/k/v and gate/up, SiLU): one call per layer for one sequence (its
-  attention and the cache's update included), one call each before and after the
-  attention for packed sessions, instead of some fifty interpreter calls;
+  shape (fused q/k/v and gate/up, SiLU): one call per layer for one sequence or a
+  packed batch of sessions (each session's cache update and attention included), or
+  one call each before and after the attention where a session has no cache yet,
+  instead of some fifty interpreter calls;
 - a KV cache that grows in place (kv_cache.GrowingCache, which the runner gives every
   session of a model with the fused step): a forward writes its rows' keys and values
   instead of copying each layer's cache to append them.
