@@ -217,6 +217,27 @@ def test_the_packed_operator_gives_each_sequence_the_bits_of_its_own_call() -> N
         torch.set_num_threads(threads)
 
 
+def test_the_vector_path_gives_the_scalar_paths_bits() -> None:
+    """A head dimension of 64 takes the vector code where the CPU has it, one of 65 the
+    scalar code: with the 65th input zero in the query, keys and values, both compute the
+    same sums, so the first 64 outputs must agree bit for bit."""
+    native = attention.native_rowwise_attention()
+    assert native is not None
+    query, key, value, mask = _tree_inputs(130)
+    plan = attention.row_plan(mask, query.shape[2], key.shape[2], HEADS // KV_HEADS,
+                              torch.device("cpu"))
+    assert plan is not None
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor, torch.zeros(*tensor.shape[:-1], 1, dtype=tensor.dtype)], -1)
+
+    arguments = (plan.prefixes, plan.extras, plan.extra_counts, 0.125)
+    vector = native(query[0], key[0], value[0], *arguments)
+    scalar = native(padded(query[0]), padded(key[0]), padded(value[0]), *arguments)
+    assert torch.equal(vector, scalar[..., :64])
+    assert not scalar[..., 64].any()
+
+
 def test_the_rowwise_operator_refuses_keys_past_the_cache() -> None:
     native = attention.native_rowwise_attention()
     assert native is not None

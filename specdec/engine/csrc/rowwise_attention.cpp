@@ -25,6 +25,11 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define SPECDEC_AVX512 1
+#endif
+
 namespace {
 
 constexpr int64_t LANES = 16;
@@ -113,10 +118,95 @@ struct Scratch {
   std::vector<float> q, kv, acc, sums, scores;
 };
 
+#ifdef SPECDEC_AVX512
+// The same arithmetic as widen, dot and the loops of attend_row, 16 lanes at a time, for a
+// head dimension that is a multiple of 16: each lane's products and sums are those of
+// the scalar code, in its order (a multiply, then an add: no fused multiply-add), and
+// the lanes fold in the same halves.
+inline __m512 widen16(const uint16_t* source) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline float fold(__m512 lanes) {
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(lanes),
+                                     _mm512_extractf32x8_ps(lanes, 1));
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+void attend_row_vectors(const Sequence& sequence, int64_t r, int64_t first_head,
+                        int64_t count, int64_t groups, int64_t heads, int64_t dim,
+                        float scale, Scratch& scratch) {
+  const int64_t h_kv = first_head / groups, blocks = dim / LANES;
+  const int64_t prefix = sequence.prefixes.data_ptr<int64_t>()[r];
+  const int64_t keys = prefix + sequence.extra_counts.data_ptr<int64_t>()[r];
+  const int64_t* row_extras = sequence.extras.data_ptr<int64_t>() + r * sequence.extra_width;
+  auto slot = [&](int64_t j) { return j < prefix ? j : row_extras[j - prefix]; };
+  scratch.q.resize(count * dim);
+  scratch.acc.assign(count * dim, 0.0f);
+  scratch.sums.resize(count);
+  float* q = scratch.q.data();
+  for (int64_t g = 0; g < count; ++g)
+    for (int64_t b = 0; b < blocks; ++b)
+      _mm512_storeu_ps(q + g * dim + b * LANES,
+                       widen16(sequence.query + (first_head + g) * sequence.query_head_stride +
+                               r * sequence.query_row_stride + b * LANES));
+  scratch.scores.resize(count * keys);
+  float* scores = scratch.scores.data();
+  for (int64_t j = 0; j < keys; ++j) {
+    const uint16_t* key =
+        sequence.key + h_kv * sequence.key_head_stride + slot(j) * sequence.key_row_stride;
+    for (int64_t g = 0; g < count; ++g) {
+      __m512 lanes = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b)
+        lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + b * LANES),
+                                                   widen16(key + b * LANES)));
+      scores[g * keys + j] = fold(lanes) * scale;
+    }
+  }
+  for (int64_t g = 0; g < count; ++g) {
+    float* s = scores + g * keys;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < keys; ++j) {
+      s[j] = std::exp(s[j] - top);
+      sum += s[j];
+    }
+    scratch.sums[g] = sum;
+  }
+  float* acc = scratch.acc.data();
+  for (int64_t j = 0; j < keys; ++j) {
+    const uint16_t* value =
+        sequence.value + h_kv * sequence.value_head_stride + slot(j) * sequence.value_row_stride;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 v = widen16(value + b * LANES);
+      for (int64_t g = 0; g < count; ++g) {
+        float* a = acc + g * dim + b * LANES;
+        const __m512 p = _mm512_set1_ps(scores[g * keys + j]);
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_mul_ps(p, v)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < count; ++g) {
+    uint16_t* target = sequence.out + (r * heads + first_head + g) * dim;
+    for (int64_t d = 0; d < dim; ++d)
+      target[d] = c10::BFloat16(acc[g * dim + d] / scratch.sums[g]).x;
+  }
+}
+#endif
+
 // Row r of a sequence for query heads first_head .. first_head + count - 1, which share
 // one key/value head; each head's sums are its own, whichever heads share the call.
 void attend_row(const Sequence& sequence, int64_t r, int64_t first_head, int64_t count,
                 int64_t groups, int64_t heads, int64_t dim, float scale, Scratch& scratch) {
+#ifdef SPECDEC_AVX512
+  if (dim % LANES == 0)
+    return attend_row_vectors(sequence, r, first_head, count, groups, heads, dim, scale,
+                              scratch);
+#endif
   const int64_t h_kv = first_head / groups;
   const int64_t prefix = sequence.prefixes.data_ptr<int64_t>()[r];
   const int64_t keys = prefix + sequence.extra_counts.data_ptr<int64_t>()[r];
