@@ -1,8 +1,7 @@
 """A causal LM with one KV cache per session: extend, roll back, release, LRU-evict.
 
-Rollback is a crop of the session's transformers cache to the committed position (a
-slice, no copy: a DynamicCache, or where the fused step runs a GrowingCache, which
-writes new rows in place rather than copying the cache to append them); the session's
+Rollback is a crop of the session's cache to the committed position (a slice, no copy;
+where the fused step runs, a kv_cache.GrowingCache, which writes new rows in place); its
 TokenHistory says what the cache holds, so a request naming a committed position and its
 fingerprint is checked before anything is computed.
 
@@ -126,8 +125,7 @@ class ModelRunner:
         # caller's batch-size setting limits it.
         self._row_invariant, max_invariant_rows = row_invariance
         self.max_invariant_rows = max_invariant_rows if self._row_invariant else None
-        # The most rows one packed forward holds; a larger batch is split, whole sessions
-        # per forward.
+        # The most rows one packed forward holds; a larger batch is split by sessions.
         self.max_batch_rows = self.max_invariant_rows
         # Width of the target's rows the model reads (0: none).
         self.target_hidden_size = (self.hidden_reader.target_width
@@ -407,11 +405,9 @@ class ModelRunner:
 
     def _job(self, entry: _Admitted) -> _Job:
         request, session = entry.request, entry.session
-        if session.cache is None:
-            # The fused step's whole-layer operator writes into a cache that grows in
-            # place; transformers' forward keeps its own DynamicCache.
-            session.cache = (GrowingCache(self.model.config) if self._fused_step is not None
-                             else DynamicCache(config=self.model.config))
+        if session.cache is None:  # the fused step writes into a cache that grows in place
+            kind = GrowingCache if self._fused_step is not None else DynamicCache
+            session.cache = kind(config=self.model.config)
         start = len(session.history)
         chain_length = len(request.tokens) - len(request.branch_parents)
         positions = list(range(start, start + chain_length))
@@ -576,8 +572,7 @@ class ModelRunner:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         ids = self.vocab.to_model_inputs(ids)
         positions = torch.tensor([token_positions], dtype=torch.long, device=self.device)
-        # Only the kept rows go through the LM head (a prefill needs one row, not one per
-        # prompt token: 49152 x 576 per row for SmolLM2).
+        # Only the kept rows go through the LM head (a prefill needs one, not every row).
         kwargs: dict[str, object] = dict(extra or {})
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep

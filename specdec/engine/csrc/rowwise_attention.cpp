@@ -118,6 +118,31 @@ struct Scratch {
   std::vector<float> q, kv, acc, sums, scores;
 };
 
+// Per head g of count: scores[g * keys + j] -> exp(score - the head's top score), and
+// sums[g] their sum in key order.
+inline void softmax_numerators(float* scores, int64_t count, int64_t keys, float* sums) {
+  for (int64_t g = 0; g < count; ++g) {
+    float* s = scores + g * keys;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < keys; ++j) {
+      s[j] = std::exp(s[j] - top);
+      sum += s[j];
+    }
+    sums[g] = sum;
+  }
+}
+
+// The weighted sums acc [count, dim] over their heads' sums, rounded once to bfloat16,
+// into out [count, dim].
+inline void write_rows(uint16_t* out, const float* acc, const float* sums, int64_t count,
+                       int64_t dim) {
+  for (int64_t g = 0; g < count; ++g)
+    for (int64_t d = 0; d < dim; ++d)
+      out[g * dim + d] = c10::BFloat16(acc[g * dim + d] / sums[g]).x;
+}
+
 #ifdef SPECDEC_AVX512
 // The same arithmetic as widen, dot and the loops of attend_row, 16 lanes at a time, for a
 // head dimension that is a multiple of 16: each lane's products and sums are those of
@@ -166,17 +191,7 @@ void attend_row_vectors(const Sequence& sequence, int64_t r, int64_t first_head,
       scores[g * keys + j] = fold(lanes) * scale;
     }
   }
-  for (int64_t g = 0; g < count; ++g) {
-    float* s = scores + g * keys;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < keys; ++j) {
-      s[j] = std::exp(s[j] - top);
-      sum += s[j];
-    }
-    scratch.sums[g] = sum;
-  }
+  softmax_numerators(scores, count, keys, scratch.sums.data());
   float* acc = scratch.acc.data();
   for (int64_t j = 0; j < keys; ++j) {
     const uint16_t* value =
@@ -190,11 +205,8 @@ void attend_row_vectors(const Sequence& sequence, int64_t r, int64_t first_head,
       }
     }
   }
-  for (int64_t g = 0; g < count; ++g) {
-    uint16_t* target = sequence.out + (r * heads + first_head + g) * dim;
-    for (int64_t d = 0; d < dim; ++d)
-      target[d] = c10::BFloat16(acc[g * dim + d] / scratch.sums[g]).x;
-  }
+  write_rows(sequence.out + (r * heads + first_head) * dim, acc, scratch.sums.data(), count,
+             dim);
 }
 #endif
 
@@ -229,17 +241,7 @@ void attend_row(const Sequence& sequence, int64_t r, int64_t first_head, int64_t
           dim, kv);
     for (int64_t g = 0; g < count; ++g) scores[g * keys + j] = dot(q + g * dim, kv, dim) * scale;
   }
-  for (int64_t g = 0; g < count; ++g) {
-    float* s = scores + g * keys;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < keys; ++j) {
-      s[j] = std::exp(s[j] - top);
-      sum += s[j];
-    }
-    scratch.sums[g] = sum;
-  }
+  softmax_numerators(scores, count, keys, scratch.sums.data());
   float* acc = scratch.acc.data();
   for (int64_t j = 0; j < keys; ++j) {
     widen(sequence.value + h_kv * sequence.value_head_stride +
@@ -251,11 +253,8 @@ void attend_row(const Sequence& sequence, int64_t r, int64_t first_head, int64_t
       for (int64_t d = 0; d < dim; ++d) a[d] += p * kv[d];
     }
   }
-  for (int64_t g = 0; g < count; ++g) {
-    uint16_t* target = sequence.out + (r * heads + first_head + g) * dim;
-    for (int64_t d = 0; d < dim; ++d)
-      target[d] = c10::BFloat16(acc[g * dim + d] / scratch.sums[g]).x;
-  }
+  write_rows(sequence.out + (r * heads + first_head) * dim, acc, scratch.sums.data(), count,
+             dim);
 }
 
 // Every row of every sequence, split over torch's threads: a task is one row and one
