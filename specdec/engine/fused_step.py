@@ -302,7 +302,7 @@ class FusedStep:
         plans = []
         for layers, sequence_rows, mask in zip(held, rows, masks, strict=True):
             keys: torch.Tensor = layers[0].keys  # type: ignore[assignment]
-            plan = row_plan_for(mask, sequence_rows, keys.shape[-2] + sequence_rows,
+            plan = row_plan_for(mask, sequence_rows, layers[0].length + sequence_rows,
                                 heads // keys.shape[1], hidden.device)
             if plan is None:
                 return None

@@ -37,60 +37,87 @@ def grown_capacity(length: int, needed: int) -> int:
 
 
 class GrowingLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values are views of buffers it writes in place."""
+    """A DynamicLayer whose keys and values are views of buffers it writes in place.
+
+    `keys` and `values` are the buffers' first positions, made on access; the layer keeps
+    only how many positions each holds, so a step's bookkeeping is two integer additions.
+    A tensor assigned to them that is a prefix of the buffer (a crop) sets the count;
+    any other (a batch reindexing, say) is kept as given and copied into new buffers at
+    the next update."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
+        self._held = [0, 0]  # positions of the key and the value buffer in use
+        self._outside: list[torch.Tensor | None] = [None, None]  # set from outside
+        super().__init__()
+
+    def _buffer(self, which: int) -> torch.Tensor | None:
+        return self.key_buffer if which == 0 else self.value_buffer
+
+    def _view(self, which: int) -> torch.Tensor | None:
+        outside = self._outside[which]
+        if outside is not None:
+            return outside
+        buffer = self._buffer(which)
+        return None if buffer is None else buffer[:, :, :self._held[which]]
+
+    def _assign(self, which: int, tensor: torch.Tensor | None) -> None:
+        buffer = self._buffer(which)
+        if tensor is not None and buffer is not None and tensor.dim() == 4 \
+                and tensor.data_ptr() == buffer.data_ptr() \
+                and tensor.stride() == buffer.stride() and tensor.shape[:2] == buffer.shape[:2] \
+                and tensor.shape[3] == buffer.shape[3]:
+            self._held[which] = tensor.shape[2]
+            self._outside[which] = None
+        else:
+            self._outside[which] = tensor
+
+    keys = property(lambda self: self._view(0), lambda self, tensor: self._assign(0, tensor))
+    values = property(lambda self: self._view(1), lambda self, tensor: self._assign(1, tensor))
 
     @property
     def length(self) -> int:
-        return self.get_seq_length()
+        """Positions the layer holds."""
+        outside = self._outside[0]
+        if outside is None:
+            return self._held[0]
+        return outside.shape[-2] if outside.numel() else 0
 
-    def _views_own_buffers(self) -> bool:
-        """Whether keys and values are still prefixes of the buffers (anything that set
-        them to other tensors, a batch reindexing say, leaves them adopted next)."""
-        keys, values = self.keys, self.values
-        key_buffer, value_buffer = self.key_buffer, self.value_buffer
-        if key_buffer is None or value_buffer is None or keys is None or values is None:
-            return False
-        return all(view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
-                   and view.shape[:2] == buffer.shape[:2] and view.shape[3] == buffer.shape[3]
-                   and view.stride() == buffer.stride()
-                   for view, buffer in ((keys, key_buffer), (values, value_buffer)))
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
 
     def reserve(self, rows: int, key_states: torch.Tensor | None = None,
                 value_states: torch.Tensor | None = None) -> None:
         """Room for `rows` more positions shaped like key_states and value_states
-        ([batch, kv heads, rows, head dim]; default: like the keys and values held),
-        copying what the layer holds into new buffers when the old ones are full or not
-        its own."""
+        ([batch, kv heads, rows, head dim]; default: like the buffers), copying what the
+        layer holds into new buffers when the old ones are full or not what it holds."""
         length = self.length
         needed = length + rows
-        if self._views_own_buffers() and self.key_buffer is not None \
-                and self.key_buffer.shape[2] >= needed:
+        key_buffer = self.key_buffer
+        if key_buffer is not None and key_buffer.shape[2] >= needed \
+                and self._outside == [None, None] and self._held[1] == length:
             return
         capacity = grown_capacity(length, needed)
         buffers = []
-        for states, held in ((key_states, self.keys), (value_states, self.values)):
-            states = held if states is None else states
-            assert states is not None and states.dim() == 4
-            shape = (states.shape[0], states.shape[1], capacity, states.shape[3])
-            buffer = torch.empty(shape, dtype=states.dtype, device=states.device)
+        for which, states in enumerate((key_states, value_states)):
+            held = self._view(which)
+            template = self._buffer(which) if states is None else states
+            assert template is not None and template.dim() == 4
+            shape = (template.shape[0], template.shape[1], capacity, template.shape[3])
+            buffer = torch.empty(shape, dtype=template.dtype, device=template.device)
             if length:
                 assert held is not None
                 buffer[:, :, :length].copy_(held)
             buffers.append(buffer)
         self.key_buffer, self.value_buffer = buffers
-        self.advance(0)
+        self._held = [length, length]
+        self._outside = [None, None]
 
     def advance(self, rows: int) -> None:
         """Take `rows` positions written past the end into the layer's keys and values."""
-        assert self.key_buffer is not None and self.value_buffer is not None
-        end = self.length + rows
-        self.keys = self.key_buffer[:, :, :end]
-        self.values = self.value_buffer[:, :, :end]
+        self._held[0] += rows
+        self._held[1] += rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +130,14 @@ class GrowingLayer(DynamicLayer):
         self.key_buffer[:, :, length:length + rows].copy_(key_states)
         self.value_buffer[:, :, length:length + rows].copy_(value_states)
         self.advance(rows)
-        assert self.keys is not None and self.values is not None
-        return self.keys, self.values
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None
+        return keys, values
 
     def reset(self) -> None:
         self.key_buffer = self.value_buffer = None
+        self._held = [0, 0]
+        self._outside = [None, None]
         super().reset()
 
 
