@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.core.history import TokenHistory
+from specdec.engine.kv_cache import GrowingLayer
 
 
 @dataclass
@@ -26,6 +27,9 @@ class Session:
             return 0
         total = 0
         for layer in self.cache.layers:
+            if isinstance(layer, GrowingLayer):  # without making views of its buffers
+                total += layer.nbytes()
+                continue
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(tensor, torch.Tensor):
                     total += tensor.untyped_storage().nbytes()

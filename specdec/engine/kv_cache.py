@@ -87,6 +87,17 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 
+    def nbytes(self) -> int:
+        """The memory the layer's keys and values hold, spare room included."""
+        total = 0
+        for which in (0, 1):
+            tensor = self._outside[which]
+            if tensor is None:
+                tensor = self._buffer(which)
+            if tensor is not None:
+                total += tensor.untyped_storage().nbytes()
+        return total
+
     def reserve(self, rows: int, key_states: torch.Tensor | None = None,
                 value_states: torch.Tensor | None = None) -> None:
         """Room for `rows` more positions shaped like key_states and value_states
