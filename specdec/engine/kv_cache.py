@@ -107,7 +107,8 @@ class GrowingLayer(DynamicLayer):
         needed = length + rows
         key_buffer = self.key_buffer
         if key_buffer is not None and key_buffer.shape[2] >= needed \
-                and self._outside == [None, None] and self._held[1] == length:
+                and self._outside[0] is None and self._outside[1] is None \
+                and self._held[1] == length:
             return
         capacity = grown_capacity(length, needed)
         buffers = []

@@ -145,14 +145,17 @@ struct PackedCodes {
   }
 };
 
+using Weights = PackedCodes;
+using LaneIndex = std::vector<__m512i>;  // per super-block (lane_values)
+
 // RM rows x BLOCK_N outputs over every super-block; out[i * BLOCK_N + j]. A super-block's
 // dot products stay in registers (RM * BLOCK_N of them); the running sums across
 // super-blocks wait in L1 (acc), so up to BLOCK_M rows share each decoded weight vector
 // (more rows take more passes, each decoding the block's codes again from L1).
 // scales and offsets: the block's first output's per-group values (groups per output).
-template <int RM, typename Weights>
+template <int RM>
 void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
-               const std::vector<SuperBlock>& blocks, const std::vector<__m512i>& lane_index,
+               const std::vector<SuperBlock>& blocks, const LaneIndex& lane_index,
                const Weights& weights, const float* scales, const float* offsets, float* out) {
   const int64_t groups = K / GROUP;
   const int64_t count = static_cast<int64_t>(blocks.size());
@@ -187,16 +190,13 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 }
 #else
 // Any other CPU: the same sums lane by lane in float32.
-struct DecodedWeights {
-  const uint16_t* decoded;  // [BLOCK_N, K]
-  int64_t K;
-};
+using Weights = const uint16_t*;  // the block's weights decoded, [BLOCK_N, K]
+struct LaneIndex {};  // lanes find their group by arithmetic here
 
-template <int RM, typename Weights>
+template <int RM>
 void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
-               const std::vector<SuperBlock>& blocks, const std::vector<int>& /*lane_index*/,
-               const Weights& weights, const float* scales, const float* offsets, float* out) {
-  const uint16_t* w = weights.decoded;
+               const std::vector<SuperBlock>& blocks, const LaneIndex& /*lane_index*/,
+               const Weights& w, const float* scales, const float* offsets, float* out) {
   const int64_t count = static_cast<int64_t>(blocks.size());
   const int64_t groups = K / GROUP;
   for (int i = 0; i < RM; ++i)
@@ -224,7 +224,6 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 }
 #endif
 
-template <typename Weights, typename LaneIndex>
 void dot_rows(int64_t rows, const uint16_t* x, const float* x_lane_sums, int64_t K,
               const std::vector<SuperBlock>& blocks, const LaneIndex& lane_index,
               const Weights& weights, const float* scales, const float* offsets, float* out) {
@@ -254,7 +253,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
                   scales.numel() == N * groups && offsets.numel() == N * groups,
               "int8_linear: scales and offsets must come from int8_pack");
 #ifdef SPECDEC_AVX512BF16
-  std::vector<__m512i> lane_index;
+  LaneIndex lane_index;
   for (const SuperBlock& block : blocks) {
     alignas(64) int32_t index[LANES];
     for (int64_t lane = 0; lane < LANES; ++lane)
@@ -262,7 +261,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
     lane_index.push_back(_mm512_load_si512(index));
   }
 #else
-  const std::vector<int> lane_index;
+  const LaneIndex lane_index;
 #endif
   const at::Tensor x = input.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
@@ -324,7 +323,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
           uint16_t* dst = decoded.data() + j * K + step * GROUP;
           for (int64_t i = 0; i < GROUP; ++i) dst[i] = static_cast<uint16_t>(0x4300 | src[i]);
         }
-      const DecodedWeights weights{decoded.data(), K};
+      const Weights weights = decoded.data();
 #endif
       const int64_t n0 = nb * BLOCK_N;
       for (int64_t m0 = 0; m0 < M;) {
