@@ -95,7 +95,7 @@ class _CountedOperators:
             self.whole_layers += 1
             return operators[2](*args)
 
-        return (operators[0], operators[1], whole_layer)
+        return (operators[0], operators[1], whole_layer, *operators[3:])
 
     _inner = fused_step.LAYER_OPERATORS  # the real ones, whatever the test patches in
 
@@ -130,6 +130,24 @@ def test_every_forward_equals_transformers_bit_for_bit(monkeypatch, bias: bool, 
     # Session a's one-sequence forwards (a chain, one row, a tree) and the two packed
     # forwards of a and b ran whole layers; b's first forward did not.
     assert counted.whole_layers == (5 * len(step.layers) if layers == "operators" else 0)
+
+
+@pytest.mark.parametrize("width", [64, 100, 576, 960, 4099])
+def test_the_cpp_norm_has_the_bits_of_transformers_norm(width: int) -> None:
+    """The one-pass RMSNorm adds the squares in at::sum's order, found on this CPU."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    operators = fused_step.LAYER_OPERATORS.get()
+    assert operators is not None
+    rms_norm, sum_lanes = operators[3], operators[4]
+    assert sum_lanes(width) > 0  # an order that gives at::sum's bits, not ATen's fallback
+    generator = torch.Generator().manual_seed(width)
+    norm = LlamaRMSNorm(width, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = (1 + 0.5 * torch.randn(width, generator=generator)).to(torch.bfloat16)
+    for rows in (1, 3, 9, 70):  # 70 rows: at::sum splits the rows over threads
+        spread = torch.exp(3 * torch.randn(1, rows, 1, generator=generator))
+        hidden = (torch.randn(1, rows, width, generator=generator) * spread).to(torch.bfloat16)
+        assert torch.equal(rms_norm(hidden, norm.weight, 1e-5), norm(hidden))
 
 
 def test_fused_layers_share_one_copy_of_the_weights() -> None:

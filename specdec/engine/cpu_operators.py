@@ -46,10 +46,11 @@ def _cpu_key() -> str:
     return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
-def build(name: str, source: str) -> Path:
+def build(name: str, source: str, flags: tuple[str, ...] = ()) -> Path:
     """Compile (or load the cached build of) csrc/<source> as the extension `name`, which
-    registers its operators under torch.ops.specdec; returns the build folder. Raises
-    whatever the build raises (a missing compiler, a compile error)."""
+    registers its operators under torch.ops.specdec, with `flags` after the usual ones;
+    returns the build folder. Raises whatever the build raises (a missing compiler, a
+    compile error)."""
     from torch.utils.cpp_extension import load
 
     build_dir = kernel_cache_dir() / name
@@ -57,7 +58,7 @@ def build(name: str, source: str) -> Path:
     # -fopenmp: at::parallel_for splits the work over torch's threads (the process's one
     # OpenMP runtime, loaded with torch, serves it).
     load(name, [str(CSRC / source)], build_directory=str(build_dir),
-         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+         extra_cflags=["-O3", "-march=native", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     return build_dir
 
@@ -75,8 +76,9 @@ class OptionalOperators:
     runs instead), and the caller keeps its own path."""
 
     def __init__(self, extension: str, source: str, names: tuple[str, ...],
-                 instead: str) -> None:
+                 instead: str, flags: tuple[str, ...] = ()) -> None:
         self.extension, self.source, self.names, self.instead = extension, source, names, instead
+        self.flags = flags
         self._state: list[tuple[Callable[..., Any], ...] | None] = []  # [] until first get
         self._lock = threading.Lock()
 
@@ -87,7 +89,7 @@ class OptionalOperators:
             if not self._state:
                 operators: tuple[Callable[..., Any], ...] | None = None
                 try:
-                    build(self.extension, self.source)
+                    build(self.extension, self.source, self.flags)
                     operators = tuple(getattr(torch.ops.specdec, name) for name in self.names)
                 except Exception as error:  # a missing compiler raises several types
                     log.warning("%s: the C++ operator failed to build (%s); %s",

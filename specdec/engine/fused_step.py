@@ -67,8 +67,11 @@ ARCHITECTURES = ("LlamaForCausalLM",)
 FUSED = "fused step"  # what install reports when it installed the step
 LAYER_OPERATORS = OptionalOperators(
     "specdec_llama_layer", "llama_layer.cpp",
-    ("llama_attention_inputs", "llama_layer_output", "llama_decode_layer"),
-    "the fused step runs each layer's operations from Python")
+    ("llama_attention_inputs", "llama_layer_output", "llama_decode_layer", "rms_norm",
+     "rms_norm_sum_lanes"),
+    "the fused step runs each layer's operations from Python",
+    # Each float operation rounds on its own, as ATen's do: no fused multiply-adds.
+    flags=("-ffp-contract=off",))
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,11 @@ class FusedStep:
             whole.advance()
         kept = (hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int)
                 else hidden[:, logits_to_keep])
-        return self.lm_head(self.norm.forward(kept))
+        if operators is not None and _is_llama_rms_norm(self.norm):
+            normed = operators[3](kept, self.norm.weight, float(self.norm.variance_epsilon))
+        else:
+            normed = self.norm.forward(kept)
+        return self.lm_head(normed)
 
     def _whole_layers(self, hidden: torch.Tensor, cache: Any,
                       attention_mask: torch.Tensor | None,

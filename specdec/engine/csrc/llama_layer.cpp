@@ -16,10 +16,14 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -39,18 +43,105 @@ at::Tensor int8_product(const at::Tensor& input, const at::Tensor& codes,
       .to(input.scalar_type());
 }
 
-// LlamaRMSNorm.forward.
-at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+// LlamaRMSNorm.forward as ATen's operations compute it.
+at::Tensor rms_norm_aten(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   at::Tensor wide = hidden.to(at::kFloat);
   const at::Tensor variance = wide.pow(2).mean(-1, /*keepdim=*/true);
   wide = wide * at::rsqrt(variance + eps);
   return weight * wide.to(hidden.scalar_type());
 }
 
-// transformers' rotate_half.
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
+constexpr int64_t kMaxLanes = 16;
+
+int64_t ceil_log2(int64_t value) {
+  if (value <= 2) return 1;
+  int64_t bits = 0;
+  for (uint64_t rest = static_cast<uint64_t>(value) - 1; rest != 0; rest >>= 1) ++bits;
+  return bits;
+}
+
+// The sum of a contiguous float row as ATen's CPU sum adds it (SumKernel.cpp's
+// cascade_sum on a contiguous inner reduction) when its vectors hold `lanes` floats:
+// each lane sums the row's vectors in four interleaved streams (vector 4i + k goes to
+// stream k), each stream a cascade of partial sums whose levels hold runs of 16 or more;
+// the leftover vectors go to stream 0 and streams 1..3 join it in turn; then, from
+// zero, the leftover scalars and the lanes in order. width >= lanes.
+float cascade_row_sum(const float* values, int64_t width, int64_t lanes) {
+  constexpr int64_t levels = 4, streams = 4;
+  const int64_t vectors = width / lanes, groups = vectors / streams;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(groups) / levels);
+  const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
+  float acc[levels][streams][kMaxLanes] = {};
+  auto add_group = [&](int64_t group) {
+    for (int64_t k = 0; k < streams; ++k) {
+      const float* vector = values + (group * streams + k) * lanes;
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += vector[l];
+    }
+  };
+  int64_t group = 0;
+  while (group + level_step <= groups) {
+    for (int64_t j = 0; j < level_step; ++j, ++group) add_group(group);
+    for (int64_t level = 1; level < levels; ++level) {
+      for (int64_t k = 0; k < streams; ++k)
+        for (int64_t l = 0; l < lanes; ++l) {
+          acc[level][k][l] += acc[level - 1][k][l];
+          acc[level - 1][k][l] = 0.0f;
+        }
+      if ((group & (level_mask << (level * level_power))) != 0) break;
+    }
+  }
+  for (; group < groups; ++group) add_group(group);
+  for (int64_t level = 1; level < levels; ++level)
+    for (int64_t k = 0; k < streams; ++k)
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += acc[level][k][l];
+  for (int64_t vector = groups * streams; vector < vectors; ++vector)
+    for (int64_t l = 0; l < lanes; ++l) acc[0][0][l] += values[vector * lanes + l];
+  for (int64_t k = 1; k < streams; ++k)
+    for (int64_t l = 0; l < lanes; ++l) acc[0][0][l] += acc[0][k][l];
+  float total = 0.0f;
+  for (int64_t i = vectors * lanes; i < width; ++i) total += values[i];
+  for (int64_t l = 0; l < lanes; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// The vector width (in floats) whose cascade_row_sum gives at::sum's bits on rows of
+// `width` floats in this process (ATen picks its kernels by the CPU's capability), found
+// once per width on pseudo-random rows of widely spread magnitudes; 0 where no width
+// does, and the norm then runs ATen's operations.
+int64_t norm_sum_lanes(int64_t width) {
+  static std::mutex mutex;
+  static std::unordered_map<int64_t, int64_t> found;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto known = found.find(width);
+  if (known != found.end()) return known->second;
+  constexpr int64_t probe_rows = 32;
+  std::vector<float> probe(static_cast<size_t>(probe_rows * width));
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  for (float& value : probe) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const double unit = static_cast<double>(state >> 11) / static_cast<double>(1ull << 53);
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const double scale = std::ldexp(1.0, static_cast<int>(state >> 59) - 16);
+    value = static_cast<float>(unit * scale);
+  }
+  const at::Tensor expected =
+      at::from_blob(probe.data(), {probe_rows, width}, at::kFloat).sum(-1).contiguous();
+  const float* sums = expected.data_ptr<float>();
+  int64_t lanes = 0;
+  for (const int64_t candidate : {int64_t{16}, int64_t{8}, int64_t{4}}) {
+    if (width < candidate) continue;
+    bool equal = true;
+    for (int64_t row = 0; row < probe_rows && equal; ++row) {
+      const float sum = cascade_row_sum(probe.data() + row * width, width, candidate);
+      equal = std::memcmp(&sum, sums + row, sizeof sum) == 0;
+    }
+    if (equal) {
+      lanes = candidate;
+      break;
+    }
+  }
+  found.emplace(width, lanes);
+  return lanes;
 }
 
 inline float widen(uint16_t bits) {
@@ -63,6 +154,92 @@ inline float widen(uint16_t bits) {
 // Rounded to bfloat16 as ATen rounds each bfloat16 operation's float result (to nearest,
 // ties to even), and widened back.
 inline float round_bf16(float value) { return widen(c10::BFloat16(value).x); }
+
+inline const uint16_t* bf16_bits(const at::Tensor& tensor) {
+  return reinterpret_cast<const uint16_t*>(tensor.data_ptr<at::BFloat16>());
+}
+
+inline uint16_t* bf16_bits_out(at::Tensor& tensor) {
+  return reinterpret_cast<uint16_t*>(tensor.data_ptr<at::BFloat16>());
+}
+
+// LlamaRMSNorm.forward for contiguous bfloat16 rows in one pass, with the bits of ATen's
+// operations: the squares in float, their sum in at::sum's order (cascade_row_sum), the
+// mean a division by the width, the epsilon added in float, 1 / sqrt, each value times it
+// rounded to bfloat16, then times the weight rounded to bfloat16. Other inputs (and a
+// CPU whose sum order norm_sum_lanes does not find) take ATen's operations.
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  const int64_t width = hidden.size(-1);
+  const int64_t lanes =
+      hidden.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+              hidden.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 &&
+              weight.size(0) == width && width > 0
+          ? norm_sum_lanes(width)
+          : 0;
+  if (lanes == 0) return rms_norm_aten(hidden, weight, eps);
+  at::Tensor out = at::empty_like(hidden, at::MemoryFormat::Contiguous);
+  const uint16_t* in = bf16_bits(hidden);
+  const uint16_t* scale = bf16_bits(weight);
+  uint16_t* target = bf16_bits_out(out);
+  const int64_t rows = hidden.numel() / width;
+  const float epsilon = static_cast<float>(eps), count = static_cast<float>(width);
+  std::vector<float> squares(static_cast<size_t>(width));
+  for (int64_t row = 0; row < rows; ++row) {
+    const uint16_t* x = in + row * width;
+    for (int64_t i = 0; i < width; ++i) {
+      const float value = widen(x[i]);
+      squares[i] = value * value;
+    }
+    const float inverse =
+        1.0f / std::sqrt(cascade_row_sum(squares.data(), width, lanes) / count + epsilon);
+    uint16_t* y = target + row * width;
+    for (int64_t i = 0; i < width; ++i)
+      y[i] = c10::BFloat16(widen(scale[i]) * round_bf16(widen(x[i]) * inverse)).x;
+  }
+  return out;
+}
+
+// a + b for bfloat16 tensors of one shape: each sum in float, rounded to bfloat16, as
+// ATen's add rounds it; other inputs take ATen's add.
+at::Tensor add_bf16(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 ||
+      a.sizes() != b.sizes() || !a.is_contiguous() || !b.is_contiguous())
+    return a + b;
+  at::Tensor out = at::empty_like(a, at::MemoryFormat::Contiguous);
+  const uint16_t* x = bf16_bits(a);
+  const uint16_t* y = bf16_bits(b);
+  uint16_t* target = bf16_bits_out(out);
+  const int64_t count = a.numel();
+  for (int64_t i = 0; i < count; ++i) target[i] = c10::BFloat16(widen(x[i]) + widen(y[i])).x;
+  return out;
+}
+
+// a * b for a contiguous bfloat16 [..., width] and a bfloat16 b of its shape whose rows
+// may be strided (a view of a wider product): each product in float, rounded to
+// bfloat16, as ATen's mul rounds it; other inputs take ATen's mul.
+at::Tensor mul_bf16_rows(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t width = a.size(-1);
+  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 ||
+      a.sizes() != b.sizes() || !a.is_contiguous() || b.stride(-1) != 1 || a.dim() != 3 ||
+      (b.size(0) != 1 && b.stride(0) != b.size(1) * b.stride(1)))
+    return a * b;
+  at::Tensor out = at::empty_like(a, at::MemoryFormat::Contiguous);
+  const uint16_t* x = bf16_bits(a);
+  const uint16_t* y = bf16_bits(b);
+  uint16_t* target = bf16_bits_out(out);
+  const int64_t rows = a.numel() / width, row_stride = b.stride(1);
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t i = 0; i < width; ++i)
+      target[row * width + i] =
+          c10::BFloat16(widen(x[row * width + i]) * widen(y[row * row_stride + i])).x;
+  return out;
+}
+
+// transformers' rotate_half.
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
+}
 
 // apply_rotary_pos_emb's (x * cos) + (rotate_half(x) * sin) for bfloat16 x [B, H, R, D]
 // and cos, sin [B, R, D], in one pass: each of ATen's three operations computes in float
@@ -129,15 +306,16 @@ at::Tensor llama_layer_output(
     const at::Tensor& down_offsets, const std::optional<at::Tensor>& down_bias) {
   TORCH_CHECK(residual.dim() == 3, "llama_layer_output: residual must be [batch, rows, width]");
   const at::Tensor flat = attended.reshape({residual.size(0), residual.size(1), -1}).contiguous();
-  const at::Tensor hidden =
-      residual + int8_product(flat, output_codes, output_scales, output_offsets, output_bias);
+  const at::Tensor hidden = add_bf16(
+      residual, int8_product(flat, output_codes, output_scales, output_offsets, output_bias));
   const at::Tensor normed = rms_norm(hidden, norm_weight, eps);
   const auto gate_up = int8_product(normed, gate_up_codes, gate_up_scales, gate_up_offsets,
                                     gate_up_bias).split(intermediate, -1);
   // The gate made contiguous, as the gate layer's own output is: SiLU's kernel then takes
   // the same (vectorised) path.
-  const at::Tensor product = at::silu(gate_up[0].contiguous()) * gate_up[1];
-  return hidden + int8_product(product, down_codes, down_scales, down_offsets, down_bias);
+  const at::Tensor product = mul_bf16_rows(at::silu(gate_up[0].contiguous()), gate_up[1]);
+  return add_bf16(hidden,
+                  int8_product(product, down_codes, down_scales, down_offsets, down_bias));
 }
 
 // A whole decoder layer for the rows of one or more sequences, each over its own KV
@@ -222,6 +400,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
         "Tensor norm_weight, float eps, Tensor gate_up_codes, Tensor gate_up_scales, "
         "Tensor gate_up_offsets, Tensor? gate_up_bias, int intermediate, Tensor down_codes, "
         "Tensor down_scales, Tensor down_offsets, Tensor? down_bias) -> Tensor");
+  m.def("rms_norm(Tensor hidden, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_sum_lanes(int width) -> int", &norm_sum_lanes);
   m.def("llama_decode_layer(Tensor hidden, Tensor(a!)[] key_buffers, "
         "Tensor(b!)[] value_buffers, int[] lengths, int[] rows, Tensor[] prefixes, "
         "Tensor[] extras, Tensor[] extra_counts, Tensor input_norm_weight, float input_eps, "
@@ -238,4 +418,5 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("llama_attention_inputs", &llama_attention_inputs);
   m.impl("llama_layer_output", &llama_layer_output);
   m.impl("llama_decode_layer", &llama_decode_layer);
+  m.impl("rms_norm", &rms_norm);
 }
