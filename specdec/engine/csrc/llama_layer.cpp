@@ -241,10 +241,22 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
 }
 
-// apply_rotary_pos_emb's (x * cos) + (rotate_half(x) * sin) for bfloat16 x [B, H, R, D]
-// and cos, sin [B, R, D], in one pass: each of ATen's three operations computes in float
-// and rounds to bfloat16 (the negation is exact), and so does this loop, value by value.
-// Other dtypes take ATen's operations.
+// One head's row of apply_rotary_pos_emb's (x * cos) + (rotate_half(x) * sin) in
+// bfloat16: each of ATen's three operations computes in float and rounds to bfloat16
+// (the negation is exact), and so does this loop, value by value.
+inline void rotate_row(const uint16_t* x, const uint16_t* cos, const uint16_t* sin,
+                       uint16_t* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float rotated = d < half ? -widen(x[d + half]) : widen(x[d - half]);
+    const float first = round_bf16(widen(x[d]) * widen(cos[d]));
+    const float second = round_bf16(rotated * widen(sin[d]));
+    out[d] = c10::BFloat16(first + second).x;
+  }
+}
+
+// apply_rotary_pos_emb for bfloat16 x [B, H, R, D] and cos, sin [B, R, D], row by row
+// (rotate_row); other dtypes take ATen's operations.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   if (x.scalar_type() != at::kBFloat16 || cos.scalar_type() != at::kBFloat16 ||
       sin.scalar_type() != at::kBFloat16 || x.dim() != 4 || cos.dim() != 3 ||
@@ -254,7 +266,6 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     return (x * c) + (rotate_half(x) * s);
   }
   const int64_t batch = x.size(0), heads = x.size(1), rows = x.size(2), dim = x.size(3);
-  const int64_t half = dim / 2;
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   at::Tensor out = at::empty({batch, heads, rows, dim}, x.options().memory_format(
                                                            at::MemoryFormat::Contiguous));
@@ -269,12 +280,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
         const uint16_t* cr = cp + (b * rows + r) * dim;
         const uint16_t* sr = sp + (b * rows + r) * dim;
         uint16_t* target = op + ((b * heads + h) * rows + r) * dim;
-        for (int64_t d = 0; d < dim; ++d) {
-          const float rotated = d < half ? -widen(xr[d + half]) : widen(xr[d - half]);
-          const float first = round_bf16(widen(xr[d]) * widen(cr[d]));
-          const float second = round_bf16(rotated * widen(sr[d]));
-          target[d] = c10::BFloat16(first + second).x;
-        }
+        rotate_row(xr, cr, sr, target, dim);
       }
   return out;
 }
@@ -318,6 +324,31 @@ at::Tensor llama_layer_output(
                   int8_product(product, down_codes, down_scales, down_offsets, down_bias));
 }
 
+// Whether llama_decode_layer can write the rotated keys and the values of bfloat16 rows
+// straight into the sequences' buffers ([1, kv heads, positions, head dim], each head's
+// rows contiguous) from one contiguous q/k/v row per new position, with cos and sin
+// [1, rows, head dim].
+bool rotates_into_buffers(const at::Tensor& hidden, at::TensorList key_buffers,
+                          at::TensorList value_buffers, int64_t query_width,
+                          int64_t key_width, int64_t value_width, int64_t head_dim,
+                          const at::Tensor& cos, const at::Tensor& sin) {
+  if (hidden.scalar_type() != at::kBFloat16 || head_dim <= 0 || head_dim % 2 != 0 ||
+      query_width % head_dim != 0 || key_width % head_dim != 0 || key_width != value_width)
+    return false;
+  for (const at::Tensor* angle : {&cos, &sin})
+    if (angle->scalar_type() != at::kBFloat16 || !angle->is_contiguous() ||
+        angle->dim() != 3 || angle->size(0) != 1 || angle->size(1) != hidden.size(1) ||
+        angle->size(2) != head_dim)
+      return false;
+  const int64_t kv_heads = key_width / head_dim;
+  for (at::TensorList buffers : {key_buffers, value_buffers})
+    for (const at::Tensor& buffer : buffers)
+      if (buffer.scalar_type() != at::kBFloat16 || buffer.size(0) != 1 ||
+          buffer.size(1) != kv_heads || buffer.size(3) != head_dim || buffer.stride(3) != 1)
+        return false;
+  return true;
+}
+
 // A whole decoder layer for the rows of one or more sequences, each over its own KV
 // cache that grows in place (kv_cache.GrowingLayer): llama_attention_inputs for all
 // rows; for each sequence, its rows' keys and values written into its buffers at
@@ -357,32 +388,84 @@ at::Tensor llama_decode_layer(
                   prefixes.size() == sequences && extras.size() == sequences &&
                   extra_counts.size() == sequences,
               "llama_decode_layer: one buffer pair, length, row count and plan per sequence");
-  auto [query, key, value] = llama_attention_inputs(
-      hidden, input_norm_weight, input_eps, qkv_codes, qkv_scales, qkv_offsets, qkv_bias,
-      query_width, key_width, value_width, head_dim, cos, sin);
+  int64_t total = 0;
+  for (size_t s = 0; s < sequences; ++s) {
+    const int64_t count = rows[s], length = lengths[s];
+    TORCH_CHECK(key_buffers[s].dim() == 4 && value_buffers[s].dim() == 4 && length >= 0 &&
+                    count > 0 && length + count <= key_buffers[s].size(2) &&
+                    length + count <= value_buffers[s].size(2),
+                "llama_decode_layer: sequence ", s, "'s buffers hold ", key_buffers[s].size(2),
+                " positions, not ", length, " + ", count);
+    total += count;
+  }
+  TORCH_CHECK(total == hidden.size(1), "llama_decode_layer: the sequences have ", total,
+              " rows, hidden ", hidden.size(1));
   std::vector<at::Tensor> keys, values;
   keys.reserve(sequences);
   values.reserve(sequences);
-  int64_t start = 0;
-  for (size_t s = 0; s < sequences; ++s) {
-    const int64_t count = rows[s], length = lengths[s];
-    const at::Tensor& key_buffer = key_buffers[s];
-    const at::Tensor& value_buffer = value_buffers[s];
-    TORCH_CHECK(key_buffer.dim() == 4 && value_buffer.dim() == 4 && length >= 0 &&
-                    count > 0 && length + count <= key_buffer.size(2) &&
-                    length + count <= value_buffer.size(2),
-                "llama_decode_layer: sequence ", s, "'s buffers hold ", key_buffer.size(2),
-                " positions, not ", length, " + ", count);
-    key_buffer.narrow(2, length, count).copy_(key.narrow(2, start, count));
-    value_buffer.narrow(2, length, count).copy_(value.narrow(2, start, count));
-    keys.push_back(key_buffer.narrow(2, 0, length + count)[0]);
-    values.push_back(value_buffer.narrow(2, 0, length + count)[0]);
-    start += count;
+  at::Tensor query;
+  if (rotates_into_buffers(hidden, key_buffers, value_buffers, query_width, key_width,
+                           value_width, head_dim, cos, sin)) {
+    // The q/k/v product's rows rotated straight into the query and each sequence's
+    // buffers, values copied: the bits of the path below, without its tensor views.
+    const at::Tensor qkv = int8_product(rms_norm(hidden, input_norm_weight, input_eps),
+                                        qkv_codes, qkv_scales, qkv_offsets, qkv_bias)
+                               .contiguous();
+    const int64_t query_heads = query_width / head_dim, kv_heads = key_width / head_dim;
+    const int64_t width = query_width + key_width + value_width;
+    query = at::empty({query_heads, total, head_dim}, hidden.options());
+    const uint16_t* qkv_rows = bf16_bits(qkv);
+    const uint16_t* cos_rows = bf16_bits(cos);
+    const uint16_t* sin_rows = bf16_bits(sin);
+    uint16_t* query_rows = bf16_bits_out(query);
+    int64_t row = 0;
+    for (size_t s = 0; s < sequences; ++s) {
+      const at::Tensor& key_buffer = key_buffers[s];
+      const at::Tensor& value_buffer = value_buffers[s];
+      uint16_t* key_bits = reinterpret_cast<uint16_t*>(key_buffer.data_ptr<at::BFloat16>());
+      uint16_t* value_bits =
+          reinterpret_cast<uint16_t*>(value_buffer.data_ptr<at::BFloat16>());
+      for (int64_t r = 0; r < rows[s]; ++r, ++row) {
+        const uint16_t* source = qkv_rows + row * width;
+        const uint16_t* cos_row = cos_rows + row * head_dim;
+        const uint16_t* sin_row = sin_rows + row * head_dim;
+        for (int64_t h = 0; h < query_heads; ++h)
+          rotate_row(source + h * head_dim, cos_row, sin_row,
+                     query_rows + (h * total + row) * head_dim, head_dim);
+        const int64_t position = lengths[s] + r;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          rotate_row(source + query_width + h * head_dim, cos_row, sin_row,
+                     key_bits + h * key_buffer.stride(1) + position * key_buffer.stride(2),
+                     head_dim);
+          std::memcpy(value_bits + h * value_buffer.stride(1) +
+                          position * value_buffer.stride(2),
+                      source + query_width + key_width + h * head_dim,
+                      head_dim * sizeof(uint16_t));
+        }
+      }
+      const int64_t held = lengths[s] + rows[s];
+      keys.push_back(key_buffer.as_strided({kv_heads, held, head_dim},
+                                           {key_buffer.stride(1), key_buffer.stride(2), 1}));
+      values.push_back(value_buffer.as_strided(
+          {kv_heads, held, head_dim}, {value_buffer.stride(1), value_buffer.stride(2), 1}));
+    }
+  } else {
+    auto [all_queries, key, value] = llama_attention_inputs(
+        hidden, input_norm_weight, input_eps, qkv_codes, qkv_scales, qkv_offsets, qkv_bias,
+        query_width, key_width, value_width, head_dim, cos, sin);
+    query = all_queries[0];
+    int64_t start = 0;
+    for (size_t s = 0; s < sequences; ++s) {
+      const int64_t count = rows[s], length = lengths[s];
+      key_buffers[s].narrow(2, length, count).copy_(key.narrow(2, start, count));
+      value_buffers[s].narrow(2, length, count).copy_(value.narrow(2, start, count));
+      keys.push_back(key_buffers[s].narrow(2, 0, length + count)[0]);
+      values.push_back(value_buffers[s].narrow(2, 0, length + count)[0]);
+      start += count;
+    }
   }
-  TORCH_CHECK(start == hidden.size(1), "llama_decode_layer: the sequences have ", start,
-              " rows, hidden ", hidden.size(1));
   const at::Tensor attended =
-      attention.call(query[0], keys, values, prefixes, extras, extra_counts, rows, scale);
+      attention.call(query, keys, values, prefixes, extras, extra_counts, rows, scale);
   return llama_layer_output(
       attended.unsqueeze(0), hidden, output_codes, output_scales, output_offsets, output_bias,
       post_norm_weight, post_eps, gate_up_codes, gate_up_scales, gate_up_offsets, gate_up_bias,
