@@ -34,6 +34,11 @@ def test_updates_and_crops_hold_what_a_dynamic_layer_holds() -> None:
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         assert ours.get_seq_length() == theirs.get_seq_length()
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    buffer = ours.key_buffer
+    ours.crop(-(ours.get_seq_length() + 3))  # more than it holds: nothing left
+    theirs.crop(-(theirs.get_seq_length() + 3))
+    assert ours.get_seq_length() == theirs.get_seq_length() == 0
+    assert ours.key_buffer is buffer  # a crop keeps the buffers and their room
 
 
 def test_a_step_writes_its_rows_into_the_buffer_it_has() -> None:

@@ -126,6 +126,15 @@ class GrowingLayer(DynamicLayer):
         self._held = [length, length]
         self._outside = [None, None]
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """DynamicLayer.crop (a negative count of positions to drop), as a change of the
+        counts where the layer's keys and values are its own buffers' prefixes."""
+        if tokens_to_remove >= 0 or not self.is_initialized or \
+                self._outside[0] is not None or self._outside[1] is not None:
+            super().crop(tokens_to_remove)
+            return
+        self._held = [max(held + tokens_to_remove, 0) for held in self._held]
+
     def advance(self, rows: int) -> None:
         """Take `rows` positions written past the end into the layer's keys and values."""
         self._held[0] += rows
