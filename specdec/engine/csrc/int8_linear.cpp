@@ -14,7 +14,7 @@
 // and spread over a super-block's lanes as they load (a permute where n < 16), so the
 // bytes a token reads are the codes and one scale and offset per 32 of them. Per row and
 // 32 weights that is one vdpbf16ps and a sixteenth of a multiply-add. The weights are
-// decoded in registers as they are used, once for up to 6 rows, so a verification's
+// decoded in registers as they are used, once for up to 4 rows, so a verification's
 // extra rows cost little.
 //
 // Each output element is one sum whose order depends on the layer's width alone: never
@@ -44,7 +44,7 @@ namespace {
 constexpr int64_t GROUP = 32;    // inputs per scale and offset; one vector step
 constexpr int64_t LANES = 16;    // float32 lanes of a vector
 constexpr int64_t BLOCK_N = 4;   // outputs decoded and computed together
-constexpr int64_t BLOCK_M = 6;   // at most this many rows computed together
+constexpr int64_t BLOCK_M = 4;   // rows computed together: more accumulators spill registers
 // Decoding asks for the codes this far ahead (prefetches): the codes stream through once,
 // and the hardware prefetchers stop at every 4 KiB page.
 constexpr int64_t PREFETCH_BYTES = 2048;
@@ -228,8 +228,6 @@ void dot_rows(int64_t rows, const uint16_t* x, const float* x_lane_sums, int64_t
               const std::vector<SuperBlock>& blocks, const LaneIndex& lane_index,
               const Weights& weights, const float* scales, const float* offsets, float* out) {
   switch (rows) {
-    case 6: dot_block<6>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
-    case 5: dot_block<5>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
     case 4: dot_block<4>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
     case 3: dot_block<3>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
     case 2: dot_block<2>(x, x_lane_sums, K, blocks, lane_index, weights, scales, offsets, out); break;
