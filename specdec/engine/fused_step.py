@@ -14,9 +14,10 @@ the computation of transformers' LlamaForCausalLM forward op for op, with
   layout goes to the rowwise attention kernel as transformers passes it;
 - the final norm and the LM head on the kept rows only (both act row by row), the head
   in whatever kernel the model has it;
-- each layer in C++ (csrc/llama_layer.cpp: the same ATen operations in the same order,
-  the rotary embedding a loop that rounds as they do, the int8 products and the
-  attention the same operators), where that operator builds and the layer has the usual
+- each layer in C++ (csrc/llama_layer.cpp: the same computation in the same order, the
+  norms, rotary embedding, residual adds and SiLU times up loops that round as ATen's
+  operations do, the int8 products, SiLU and the attention the same operators; the final
+  norm too), where that operator builds and the layer has the usual
   shape (fused q/k/v and gate/up, SiLU): one call per layer for one sequence or a
   packed batch of sessions (each session's cache update and attention included), or
   one call each before and after the attention where a session has no cache yet,

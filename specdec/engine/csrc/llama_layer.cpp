@@ -4,12 +4,14 @@
 //     the rotary embedding -> (query, key, value);
 //   llama_layer_output: the output projection and residual, RMSNorm, the fused gate/up
 //     product, SiLU times up, the down projection and residual -> the layer's output.
-// Each one is the very sequence of ATen operations that transformers' LlamaDecoderLayer
-// (LlamaRMSNorm.forward, apply_rotary_pos_emb, LlamaMLP with SiLU) runs in Python, in the
-// same order and dtypes, and the int8 products are specdec::int8_linear; the rotary
-// embedding of bfloat16 rows is one loop that rounds each value as ATen's three operations
-// do. Every tensor gets the bits it gets in Python. What goes away is the interpreter and
-// the Python side of some fifty operator calls per layer.
+// Each one computes what transformers' LlamaDecoderLayer (LlamaRMSNorm.forward,
+// apply_rotary_pos_emb, LlamaMLP with SiLU) computes in Python, in the same order and
+// dtypes: the int8 products are specdec::int8_linear, SiLU is ATen's, and on bfloat16 rows
+// the norms, the rotary embedding, the residual adds and SiLU times up are loops that round
+// each value as ATen's operations do (the norm's sum of squares in at::sum's order, found
+// on the running CPU). A whole layer writes its rotated keys and its values straight into
+// each sequence's cache buffers. Every tensor gets the bits it gets in Python. What goes
+// away is the interpreter and some fifty operator calls per layer.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
