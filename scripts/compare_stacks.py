@@ -5,9 +5,13 @@ Each stack runs the same pair on its own ports with the environment given for it
 in turn (only one stack works at a time), k=0 and the default speculation, over the
 same prompts, each stack first in turn, so a drifting VM slows every stack alike; ratios
 are paired per request.
-Output: markdown on stdout.
+`--checkout NAME=DIR` runs stack NAME from another checkout of specdec (say a `git worktree`
+of an earlier commit); give it its own TORCH_EXTENSIONS_DIR, as the C++ operators build per
+source. Output: markdown on stdout.
 
     .venv/bin/python scripts/compare_stacks.py tracing-on: tracing-off:SPECDEC_TRACING=off
+    .venv/bin/python scripts/compare_stacks.py --checkout before=/tmp/before \
+        before:TORCH_EXTENSIONS_DIR=/tmp/before-kernels now:
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="passes over the prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--first-port", type=int, default=50100)
+    parser.add_argument("--checkout", action="append", default=[], metavar="NAME=DIR",
+                        help="run stack NAME from the specdec checkout in DIR")
     args = parser.parse_args()
+    checkouts = dict(item.split("=", 1) for item in args.checkout)
 
     import grpc
 
@@ -50,7 +57,8 @@ def main() -> None:
             command = [sys.executable, "-m", "specdec.cli", "up", "--http-port", "-1",
                        "--coordinator-port", str(port + 1), "--draft-port", str(port + 2),
                        "--target-port", str(port + 3), "--metrics-port", str(port + 4)]
-            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+            process = subprocess.Popen(command, env=env, cwd=checkouts.get(name),
+                                       stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True)
             processes[name] = process
             assert process.stdout is not None
