@@ -121,8 +121,8 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     kv_heads, kv_length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     plan = None
-    if batch == 1 and q_length <= DECODE_ROWS and kwargs.get("position_bias") is None:
-        plan = _row_plan(attention_mask, q_length, kv_length, groups, query.device)
+    if batch == 1 and kwargs.get("position_bias") is None:
+        plan = row_plan_for(attention_mask, q_length, kv_length, groups, query.device)
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

@@ -189,7 +189,8 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
       out[i * BLOCK_N + j] = _mm512_reduce_add_ps(_mm512_load_ps(acc[i][j]));
 }
 #else
-// Any other CPU: the same sums lane by lane in float32.
+// Any other CPU: each lane's sums in the same order, in float32 (a pair's products round
+// apart here, so the bits are this path's own, row-invariant as the vector path's).
 using Weights = const uint16_t*;  // the block's weights decoded, [BLOCK_N, K]
 struct LaneIndex {};  // lanes find their group by arithmetic here
 
