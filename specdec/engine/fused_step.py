@@ -306,12 +306,11 @@ class FusedStep:
                 return None
             held.append(layers)
         first = self.layers[0]
-        heads = first.widths[0] // first.head_dim
+        groups = first.widths[0] // first.widths[1]  # query heads per key/value head
         plans = []
         for layers, sequence_rows, mask in zip(held, rows, masks, strict=True):
-            keys: torch.Tensor = layers[0].keys  # type: ignore[assignment]
             plan = row_plan_for(mask, sequence_rows, layers[0].length + sequence_rows,
-                                heads // keys.shape[1], hidden.device)
+                                groups, hidden.device)
             if plan is None:
                 return None
             plans.append(plan)
