@@ -325,6 +325,8 @@ def test_a_stream_run_writes_the_curve_and_the_next_run_resumes(
     second = stream_distill(str(target_dir), draft_dir, work, out, settings)
     assert second["progress"]["step"] > first["progress"]["step"]
     assert second["progress"]["tokens"] > first["progress"]["tokens"]
+    # the process's CPU time adds up over runs, as the wall time does
+    assert second["progress"]["cpu_s"] > first["progress"]["cpu_s"] > 0
     resumed = json.loads((work / CURVE_FILE).read_text())
     assert resumed[:len(curve)] == curve and len(resumed) > len(curve)
 
@@ -345,7 +347,7 @@ def test_a_run_from_a_streamed_draft_continues_its_curve_in_a_new_work_dir(
     assert curve[:len(committed)] == committed and len(curve) > len(committed) + 1
     tokens = [point["tokens"] for point in curve]
     assert tokens == sorted(tokens) and curve[len(committed)]["tokens"] >= committed[-1]["tokens"]
-    for key in ("step", "tokens", "records", "batches", "elapsed_s"):
+    for key in ("step", "tokens", "records", "batches", "elapsed_s", "cpu_s"):
         assert second["progress"][key] > first["progress"][key], key
     assert second["continued_from"]["tokens"] == committed[-1]["tokens"]
     card = (tmp_path / "new-out" / "README.md").read_text()  # the stage's block replaced

@@ -430,8 +430,8 @@ def run_bench(settings: BenchSettings, models: BenchModels | None = None,
             if GRPC in settings.systems:
                 grpc = (grpc_factory or (lambda: ProcessStack(settings)))()
                 # Load here only once the services are up: `--draft-dtype auto` times the
-                # draft's step as it loads, and while three processes start on 2 cores
-                # every candidate measured 272 ms alike.
+                # draft's step as it loads, and while three processes start on few cores
+                # every candidate times the start-up load, not itself.
                 wait = getattr(grpc, "wait", None)
                 if wait is not None:
                     wait()

@@ -130,7 +130,8 @@ def measure_agreement(draft: LlamaForCausalLM, held_out: HeldOutSet) -> dict[str
 
 # The counters of a curve point (stream.Progress's, which a run continuing the curve
 # starts from); besides them and the loss, a point holds figures.
-POINT_COUNTERS = ("tokens", "trained_tokens", "step", "records", "batches", "elapsed_s")
+POINT_COUNTERS = ("tokens", "trained_tokens", "step", "records", "batches", "elapsed_s",
+                  "cpu_s")
 
 
 def read_curve(path: Path) -> list[dict[str, Any]]:

@@ -165,6 +165,7 @@ class Progress:
     trained_tokens: int = 0  # labelled tokens in optimiser steps (reuse included)
     records: int = 0
     elapsed_s: float = 0.0  # over all runs
+    cpu_s: float = 0.0  # the process's CPU time (every thread) over all runs
     batches: int = 0  # producer batches made (sets the next one's temperature and seed)
     optimiser_steps: int = 0  # steps the optimiser state has taken (its warm-up reads them)
     # The counters of the draft directory's curve point this stage continues from, if any.
@@ -355,7 +356,8 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     reusable: deque[tuple[Record, int]] = deque()  # (record, times used)
     losses: deque[float] = deque(maxlen=50)
     run_started = time.monotonic()
-    earlier_s = progress.elapsed_s
+    earlier_s, earlier_cpu_s = progress.elapsed_s, progress.cpu_s
+    cpu_started = time.process_time()
     last_checkpoint = last_progress = run_started
     run_tokens = 0
     draft.train()
@@ -394,6 +396,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
                 last_checkpoint = now
                 progress.batches = producer.batch_index
                 progress.elapsed_s = earlier_s + now - run_started
+                progress.cpu_s = earlier_cpu_s + time.process_time() - cpu_started
                 _checkpoint(checkpoint, curve, curve_path, draft, optimizer, measure,
                             progress, losses)
                 weights.publish(draft)
@@ -403,6 +406,7 @@ def stream_distill(target_dir: str, init_draft: Path, work_dir: Path, out_dir: P
     progress.batches = producer.batch_index
     elapsed = time.monotonic() - run_started
     progress.elapsed_s = earlier_s + elapsed
+    progress.cpu_s = earlier_cpu_s + time.process_time() - cpu_started
     _checkpoint(checkpoint, curve, curve_path, draft, optimizer, measure, progress, losses)
     summary = {"settings": asdict(settings), "progress": asdict(progress),
                "run_s": round(elapsed, 1), "run_tokens": run_tokens,
@@ -463,7 +467,7 @@ def _record_point(curve: list[dict[str, Any]], path: Path, draft: LlamaForCausal
                   loss: float) -> None:
     counters = asdict(progress)
     point = {**{key: counters[key] for key in POINT_COUNTERS},
-             "elapsed_s": round(progress.elapsed_s, 1),
+             "elapsed_s": round(progress.elapsed_s, 1), "cpu_s": round(progress.cpu_s, 1),
              "loss": None if math.isnan(loss) else round(loss, 4), **measure(draft)}
     curve.append(point)
     write_curve(path, curve)

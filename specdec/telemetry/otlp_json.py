@@ -1,8 +1,8 @@
 """Spans to OTLP/JSON (an ExportTraceServiceRequest as a dict) without protobuf.
 
-The exporter library's path (encode_spans -> protobuf -> json_format) costs ~180 us per
-span here, which on a busy 2-core machine is paid by the same CPUs the models run on.
-Building the dict directly costs a fraction of that. The output is the proto3 JSON
+The exporter library's path (encode_spans -> protobuf -> json_format) builds every span
+twice, as protobuf and then as JSON, on the CPUs the models run on. Building the dict
+directly costs a fraction of that. The output is the proto3 JSON
 mapping of what `encode_spans` builds (defaults omitted, int64 as strings, enums as
 numbers), except that ids are hex as OTLP/JSON requires; tests check the two agree.
 """
