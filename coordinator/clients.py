@@ -58,7 +58,11 @@ CHANNEL_OPTIONS = [*MESSAGE_OPTIONS,
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-RELEASE_TIMEOUT_S = 2.0
+# Release is sent without waiting for it, so its deadline costs no request any time; it
+# only bounds how long the call may queue. Under load every server thread can be busy with
+# forwards, and a release that gives up leaves the session's KV cache held until the
+# service's session TTL reaps it.
+RELEASE_TIMEOUT_S = 30.0
 # Draft endpoints whose last Propose failed: each change of state is logged once, so an
 # operator sees when (and why) requests run target-only, e.g. while the draft loads.
 _drafts_down: set[str] = set()
