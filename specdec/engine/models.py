@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -261,6 +262,8 @@ def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,
     source_path = Path(source)
     if has_token_map(source_path):
         token_map = torch.tensor(read_token_map(source_path), dtype=torch.long)
+        if eagle3 is None:
+            keep_proposed_rows(model, token_map.shape[0])
     tokenizer: PreTrainedTokenizerBase | None
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -269,6 +272,26 @@ def load_pretrained(name_or_path: str, device: torch.device, dtype: torch.dtype,
     return LoadedModel(model, tokenizer, token_map, str(name_or_path or DEFAULT_TARGET),
                        f"{str(dtype).removeprefix('torch.')}, torch linear, sdpa attention",
                        row_invariance_caveat(device, dtype, "torch", "sdpa"))
+
+
+def keep_proposed_rows(model: PreTrainedModel, rows: int) -> None:
+    """Cut a reduced-vocabulary draft's output projection to the rows it proposes.
+
+    The row after the map's (the UNK input row, for target ids outside the map) is never
+    proposed: the runner drops its logit (VocabAdapter.restrict). So the head computes the
+    map's rows only, a count the int8 format's blocks of outputs fit where the UNK row's
+    did not. The embedding keeps every row; the head gets its own view of the first ones
+    (no copy), and the config no longer ties them, so transformers does not re-tie."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.out_features <= rows:
+        return
+    cut = nn.Linear(head.in_features, rows, bias=head.bias is not None,
+                    device=head.weight.device, dtype=head.weight.dtype)
+    cut.weight = nn.Parameter(head.weight.detach()[:rows], requires_grad=False)
+    if head.bias is not None:
+        cut.bias = nn.Parameter(head.bias.detach()[:rows], requires_grad=False)
+    model.set_output_embeddings(cut)
+    model.config.tie_word_embeddings = False
 
 
 def eagle3_source(source: Path | str) -> Path | None:
