@@ -170,6 +170,13 @@ def described_spec(response: draft_pb2.DescribeResponse) -> HiddenSpec | None:
                       wire.hidden_dtype(response.hidden_dtype))
 
 
+# A Verify never ends CANCELLED by the coordinator's own doing (it cancels no call, and a
+# channel the pool closes is the route's `gone`), so CANCELLED is the target's: a server
+# stopping under the call. It is retried like a lost connection.
+_RETRIED_VERIFY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         grpc.StatusCode.CANCELLED)
+
+
 def _assume_done(mirror: CacheMirror, committed: TokenHistory) -> None:
     """After a call with an unknown outcome, assume it went through on the service.
 
@@ -453,8 +460,7 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                     sync = mirror.full_resync(session_id, committed)
                     continue
                 _assume_done(mirror, committed)
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        or self.route.gone(code):
+                if code in _RETRIED_VERIFY_CODES or self.route.gone(code):
                     # Connection lost mid-call (a restart), no answer yet, or no replica to
                     # move to yet: try again, with the cache state re-checked, until the
                     # deadline.

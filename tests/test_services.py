@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -259,6 +260,43 @@ def test_target_restart_mid_generation_keeps_the_output(own_services) -> None:
     tokens, last = stream(stack, message, restart_target)
     assert tokens == expected
     assert last.stats.resyncs >= 1
+
+
+class EndVerifyOnce(grpc.ServerInterceptor):
+    """Once armed, ends the next Verify with `code` before the servicer sees it."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self.code = code
+        self.armed = threading.Event()
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or not details.method.endswith("/Verify"):
+            return handler
+        inner = handler.unary_unary
+
+        def ended(request: Any, context: grpc.ServicerContext) -> Any:
+            if self.armed.is_set():
+                self.armed.clear()
+                context.abort(self.code, "server shutting down")
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            ended, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_verify_ended_by_a_stopping_target_is_retried(own_services, code) -> None:
+    # A target that stops under a call ends it UNAVAILABLE or CANCELLED, depending on
+    # where the call was: both are retried, and the output stays the same.
+    end_once = EndVerifyOnce(code)
+    stack = own_services(target_interceptors=[end_once])
+    message = request(max_new_tokens=40, k=3, temperature=1.0, top_k=8, seed=7)
+    expected = list(stack.stub.Generate(message, timeout=30).token_ids)
+    tokens, last = stream(stack, message, end_once.armed.set)
+    assert not end_once.armed.is_set()  # a Verify did end that way
+    assert tokens == expected
 
 
 def test_draft_restart_mid_generation_keeps_the_output(own_services, models) -> None:
