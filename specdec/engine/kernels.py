@@ -112,8 +112,12 @@ _KERNEL_CLASSES: dict[str, type[nn.Linear]] = {
     "torch": nn.Linear, "skinny": SkinnyLinear, "onednn": OneDnnLinear}
 
 
-def onednn_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available())
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN serves linear layers of dtype on this CPU: bfloat16 also needs the
+    CPU's support (AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU has neither)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -126,7 +130,7 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
             return "torch"
         if dtype == torch.float32:
             return "skinny"
-        return "onednn" if dtype == torch.bfloat16 and onednn_available() else "torch"
+        return "onednn" if dtype == torch.bfloat16 and onednn_available(dtype) else "torch"
     if kernel == INT8 and (device.type != "cpu" or dtype != torch.bfloat16):
         raise ValueError(f"the int8 linear kernel runs on the CPU with bfloat16 activations, "
                          f"not {device.type} {str(dtype).removeprefix('torch.')}; "
@@ -134,6 +138,10 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: torch.dtype) -> str
     if kernel == "onednn" and not onednn_available():
         raise ValueError("linear kernel 'onednn' needs a torch build with oneDNN (mkldnn); "
                          "choose skinny or torch")
+    if kernel == "onednn" and device.type == "cpu" and not onednn_available(dtype):
+        raise ValueError("linear kernel 'onednn' in bfloat16 needs a CPU with AVX-512 (or "
+                         "AVX-NE-CONVERT), which this one lacks; use --dtype auto (int8 "
+                         "weights), --dtype float32 or --linear-kernel torch")
     return kernel
 
 
