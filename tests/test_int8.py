@@ -47,6 +47,46 @@ def test_a_q4_1_block_is_held_exactly() -> None:
     torch.testing.assert_close(restored, weight, rtol=0, atol=1e-7)
 
 
+def _q4_1_layer(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    """A layer whose every group of 32 weights is a Q4_1 block spanning its 16 levels."""
+    generator = torch.Generator().manual_seed(in_features + out_features)
+    q = torch.randint(0, 16, (out_features, in_features // 32, 32), generator=generator).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(out_features, in_features // 32, 1, generator=generator) * 0.01 + 1e-3
+    m = -torch.rand(out_features, in_features // 32, 1, generator=generator) * 0.05
+    layer = _layer(in_features, out_features, bias)
+    with torch.no_grad():
+        layer.weight.copy_((d * q + m).reshape(out_features, in_features))
+    return layer
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (1536, 64), (96, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_16_level_codes_in_4_bits_give_the_same_bits(in_features: int, out_features: int,
+                                                     bias: bool) -> None:
+    """A layer of Q4_1 blocks keeps its codes in 4 bits, half the bytes, and every product
+    equals the one from its 8-bit codes bit for bit, for any row count."""
+    layer = _q4_1_layer(in_features, out_features, bias)
+    quantized = int8.Int8Linear(layer)
+    assert quantized.nibbles
+    assert quantized.codes.numel() == out_features * in_features // 2
+    codes, scales, offsets = torch.ops.specdec.int8_pack(*int8.quantize(layer.weight))
+    assert torch.equal(torch.ops.specdec.int8_nibbles(codes), quantized.codes)
+    generator = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        assert torch.equal(quantized(x), int8.int8_product(x, codes, scales, offsets,
+                                                           quantized.bias))
+
+
+def test_other_weights_keep_8_bit_codes_and_4_bits_refuse_them() -> None:
+    layer = _layer(96, 8)
+    assert not int8.Int8Linear(layer).nibbles
+    codes, _, _ = torch.ops.specdec.int8_pack(*int8.quantize(layer.weight))
+    with pytest.raises(RuntimeError, match="not a multiple of 8"):
+        torch.ops.specdec.int8_nibbles(codes)
+
+
 def test_any_weight_is_held_within_a_240th_of_its_group_range() -> None:
     weight = torch.randn(16, 96) * 0.05
     restored = int8.dequantize(*int8.quantize(weight))
@@ -176,7 +216,8 @@ def test_dtype_auto_falls_back_to_bfloat16_and_says_why_when_the_build_fails(
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     model = tiny_llama(vocab_size=64, hidden=64).to(torch.bfloat16)
     with caplog.at_level("WARNING"):
-        assert apply_linear_kernel(model, INT8_IF_AVAILABLE) == "onednn"
+        assert apply_linear_kernel(model, INT8_IF_AVAILABLE) == resolve_kernel(
+            "auto", torch.device("cpu"), torch.bfloat16)
     assert "bfloat16 weights" in caplog.text and "g++: not found" in caplog.text
     assert not any(isinstance(m, int8.Int8Linear) for m in model.modules())
     with pytest.raises(int8.Int8KernelError):  # --dtype int8 asked for it: an error

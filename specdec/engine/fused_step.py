@@ -91,8 +91,9 @@ class _Product:
 def _fuse(layers: Sequence[Int8Linear]) -> list[_Product]:
     """One product for layers of the same input, their outputs side by side, with each
     layer's buffers turned into views of the fused ones; the layers' own products where
-    only some of them have a bias."""
-    if len(layers) == 1 or len({layer.bias is None for layer in layers}) > 1:
+    only some of them have a bias or 4-bit codes."""
+    if len(layers) == 1 or len({layer.bias is None for layer in layers}) > 1 \
+            or len({layer.nibbles for layer in layers}) > 1:
         return [_Product(layer.codes, layer.scales, layer.offsets, layer.bias)
                 for layer in layers]
     biases = [layer.bias for layer in layers if layer.bias is not None]

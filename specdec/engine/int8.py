@@ -12,6 +12,11 @@ GGUF Q4_1 block (a scale and minimum per 32 weights, 16 levels) is represented e
 error of at most a 240th of a group's range per weight. The operator's source
 describes how the product is laid out for the CPU's vector units.
 
+A layer whose groups hold at most 16 levels each (every code a multiple of 8: a 4-bit
+GGUF's blocks, which the embedded target's layers all are) keeps its codes in 4 bits, two
+to a byte. They decode to the same weights, so the layer computes the same bits from half
+the code bytes; other layers keep a byte a code.
+
 The product is a small C++ operator (csrc/int8_linear.cpp, `torch.ops.specdec.int8_linear`)
 compiled on first use with the machine's C++ compiler for its own CPU (AVX-512 BF16
 where present, portable C++ elsewhere) and cached on disk. Each output element is a sum
@@ -97,6 +102,17 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
         out_features, in_features)
 
 
+def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize's output in the operator's layout: the codes reordered so that each vector
+    lane sums one group's inputs (int8_pack), in 4 bits where every code is a multiple of
+    8 (int8_nibbles); a scale and an offset per group."""
+    packed, scales, offsets = torch.ops.specdec.int8_pack(codes, scales, offsets)
+    if bool((codes % 8 == 0).all()):
+        packed = torch.ops.specdec.int8_nibbles(packed)
+    return packed, scales, offsets
+
+
 def supports(linear: nn.Linear) -> bool:
     return linear.in_features % GROUP == 0 and linear.out_features % BLOCK == 0
 
@@ -123,9 +139,7 @@ class Int8Linear(nn.Module):
                              f"out_features % {BLOCK} == 0, got {linear.in_features} -> "
                              f"{linear.out_features}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # The operator's layout (int8_pack): codes reordered so that each vector lane
-        # sums one group's inputs; a scale and an offset per group.
-        codes, scales, offsets = torch.ops.specdec.int8_pack(*quantize(linear.weight))
+        codes, scales, offsets = pack(*quantize(linear.weight))
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
@@ -135,9 +149,15 @@ class Int8Linear(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return int8_product(input, self.codes, self.scales, self.offsets, self.bias)
 
+    @property
+    def nibbles(self) -> bool:
+        """Whether the codes are held in 4 bits (int8_nibbles' layout)."""
+        return int(self.codes.shape[2]) == BLOCK // 2
+
     def extra_repr(self) -> str:
+        codes = "4-bit codes" if self.nibbles else "8-bit codes"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int8 groups of {GROUP}")
+                f"bias={self.bias is not None}, {codes}, groups of {GROUP}")
 
 
 def quantize_linears(model: nn.Module) -> int:

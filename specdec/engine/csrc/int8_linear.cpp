@@ -17,6 +17,11 @@
 // decoded in registers as they are used, once for up to 4 rows, so a verification's
 // extra rows cost little.
 //
+// A layer whose codes are all multiples of 8 (16 levels a group, as a 4-bit GGUF block
+// holds) keeps them in 4 bits (int8_nibbles): two outputs share a byte, code / 8 of the
+// even output in the low nibble and of the odd one in the high nibble. They decode to the
+// same bfloat16 weights, so the product is the same bits, from half the code bytes.
+//
 // Each output element is one sum whose order depends on the layer's width alone: never
 // on how many rows share the call, where a row sits among them, or how outputs are
 // split across threads. A row gets the same bits in a one-row decode, a k-row
@@ -37,6 +42,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SPECDEC_AVX512BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECDEC_AVX2 1
 #endif
 
 namespace {
@@ -74,6 +82,17 @@ inline int64_t source_index(const SuperBlock& block, int64_t step, int64_t lane,
   return group * GROUP + 2 * (t * lanes_per_group + lane % lanes_per_group) + pair;
 }
 
+// Where int8_pack puts the input at packed position (step, lane, pair): the super-blocks'
+// order, or on AVX2 (int8_linear_avx2) the inputs' own order, a step one group.
+inline int64_t packed_source(const SuperBlock& block, int64_t step, int64_t lane, int64_t pair) {
+#ifdef SPECDEC_AVX2
+  (void)block;
+  return step * GROUP + 2 * lane + pair;
+#else
+  return source_index(block, step, lane, pair);
+#endif
+}
+
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float value;
@@ -104,8 +123,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes
         for (int64_t lane = 0; lane < LANES; ++lane)
           for (int64_t pair = 0; pair < 2; ++pair)
             pp[(((n / BLOCK_N) * groups + step) * BLOCK_N + n % BLOCK_N) * GROUP + 2 * lane + pair] =
-                cp[n * K + source_index(block, step, lane, pair)];
+                cp[n * K + packed_source(block, step, lane, pair)];
   return {packed, s.clone().view({N, groups}), o.clone().view({N, groups})};
+}
+
+// int8_pack's codes [N / 4, K / 32, 4, 32], every one a multiple of 8 -> [N / 4, K / 32,
+// 2, 32]: byte (p, i) = code(2p, i) / 8 | code(2p + 1, i) / 8 << 4.
+at::Tensor int8_nibbles(const at::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 &&
+                  packed.size(2) == BLOCK_N && packed.size(3) == GROUP,
+              "int8_nibbles: codes must come from int8_pack");
+  const at::Tensor c = packed.contiguous();
+  const uint8_t* cp = c.data_ptr<uint8_t>();
+  const int64_t steps = c.size(0) * c.size(1);
+  for (int64_t i = 0; i < c.numel(); ++i)
+    TORCH_CHECK(cp[i] % 8 == 0, "int8_nibbles: a code is not a multiple of 8");
+  at::Tensor out = at::empty({c.size(0), c.size(1), BLOCK_N / 2, GROUP}, c.options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t step = 0; step < steps; ++step)
+    for (int64_t pair = 0; pair < BLOCK_N / 2; ++pair)
+      for (int64_t i = 0; i < GROUP; ++i) {
+        const uint8_t* src = cp + (step * BLOCK_N + 2 * pair) * GROUP + i;
+        op[(step * (BLOCK_N / 2) + pair) * GROUP + i] =
+            static_cast<uint8_t>((src[0] >> 3) | ((src[GROUP] >> 3) << 4));
+      }
+  return out;
+}
+
+// Output j's 32 bfloat16 weights of one step from either layout, as int8_linear decodes them.
+inline uint16_t decoded_weight(const uint8_t* step_codes, bool nibbles, int64_t j, int64_t i) {
+  if (!nibbles) return static_cast<uint16_t>(0x4300 | step_codes[j * GROUP + i]);
+  const uint8_t byte = step_codes[(j / 2) * GROUP + i];
+  return static_cast<uint16_t>(0x4300 | (j % 2 ? (byte >> 4) << 3 : (byte & 15) << 3));
 }
 
 #ifdef SPECDEC_AVX512BF16
@@ -127,21 +176,40 @@ inline __m512 lane_values(const float* per_group, const SuperBlock& block, __m51
   return _mm512_permutexvar_ps(lane_index, _mm512_maskz_loadu_ps(held, values));
 }
 
+// Two outputs' 32 weights from 32 bytes of int8_nibbles' layout: (word << 3) & 0x78 is
+// the low nibble times 8, (word >> 1) & 0x78 the high one; 0xEA is (a & b) | c.
+inline void decode32_pair(const uint8_t* codes, __m512bh& even, __m512bh& odd) {
+  const __m512i words = _mm512_cvtepu8_epi16(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+  const __m512i mask = _mm512_set1_epi16(0x0078), base = _mm512_set1_epi16(0x4300);
+  even = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(words, 3), mask, base, 0xEA);
+  odd = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 1), mask, base, 0xEA);
+}
+
 // A block's BLOCK_N weight vectors, decoded from the packed codes as dot_block reads
 // them (into registers, never to memory), with the codes PREFETCH_BYTES ahead asked for.
+// A step's codes are BLOCK_N * GROUP bytes (two cache lines), or half that in nibbles.
 struct PackedCodes {
   const uint8_t* codes;  // every block's codes
   int64_t block_offset;  // this block's first code
   int64_t code_bytes;
-  __m512bh operator()(int j, int64_t step) const {
-    return decode32(codes + block_offset + (step * BLOCK_N + j) * GROUP);
+  bool nibbles;
+  void decode(int64_t step, __m512bh (&wv)[BLOCK_N]) const {
+    if (nibbles) {
+      const uint8_t* step_codes = codes + block_offset + step * (BLOCK_N / 2) * GROUP;
+      for (int p = 0; p < BLOCK_N / 2; ++p)
+        decode32_pair(step_codes + p * GROUP, wv[2 * p], wv[2 * p + 1]);
+    } else {
+      for (int j = 0; j < BLOCK_N; ++j)
+        wv[j] = decode32(codes + block_offset + (step * BLOCK_N + j) * GROUP);
+    }
   }
   void prefetch(int64_t step) const {
-    const int64_t ahead = block_offset + step * BLOCK_N * GROUP + PREFETCH_BYTES;
-    if (ahead + BLOCK_N * GROUP <= code_bytes) {  // a step's codes: two cache lines
-      __builtin_prefetch(codes + ahead, 0, 3);
-      __builtin_prefetch(codes + ahead + 64, 0, 3);
-    }
+    const int64_t step_bytes = (nibbles ? BLOCK_N / 2 : BLOCK_N) * GROUP;
+    const int64_t ahead = block_offset + step * step_bytes + PREFETCH_BYTES;
+    if (ahead + step_bytes <= code_bytes)
+      for (int64_t line = 0; line < step_bytes; line += 64)
+        __builtin_prefetch(codes + ahead + line, 0, 3);
   }
 };
 
@@ -168,7 +236,7 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
     for (int64_t step = blocks[b].first_step; step < end; ++step) {
       weights.prefetch(step);
       __m512bh wv[BLOCK_N];
-      for (int j = 0; j < BLOCK_N; ++j) wv[j] = weights(j, step);
+      weights.decode(step, wv);
       for (int i = 0; i < RM; ++i) {
         const __m512bh xv = load_bf16(x + i * K + step * GROUP);
         for (int j = 0; j < BLOCK_N; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], xv, wv[j]);
@@ -225,6 +293,176 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 }
 #endif
 
+#ifdef SPECDEC_AVX2
+// AVX2 with FMA (no bfloat16 dot products): float32 arithmetic on codes in the inputs'
+// own order. For each output and row, a group's 32 products go to 8 lanes (lane l sums
+// inputs l, l + 8, l + 16, l + 24 in that order), then two running sums take
+// scale * part and offset' * (the lanes' input sums), offset' = offset + 128 * scale
+// since the codes enter as c, not 128 + c; the result is the lanes of their sum added
+// in a fixed tree. Nibbles enter as c / 8 with 8 * scale: each partial sum is then
+// exactly an eighth of the byte path's, so the bits are the same. Every row and output
+// runs this same sequence whichever pass computes it: row-invariant.
+inline __m256 codes8(const uint8_t* codes) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+}
+
+// The even and the odd output's 8 codes / 8 from 8 bytes of int8_nibbles' layout.
+inline void nibbles8(const uint8_t* codes, __m256& even, __m256& odd) {
+  const __m256i v =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  even = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+
+inline float sum8(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+// One output's group weights: the scale the part is multiplied by and offset'.
+struct GroupScale {
+  __m256 scale, offset;
+  GroupScale(const float* scales, const float* offsets, int64_t index, bool nibbles) {
+    const float s = scales[index];
+    scale = _mm256_set1_ps(nibbles ? 8.0f * s : s);
+    offset = _mm256_set1_ps(std::fma(128.0f, s, offsets[index]));
+  }
+};
+
+inline void prefetch_step(const uint8_t* step_codes, int64_t step_bytes) {
+  for (int64_t line = 0; line < step_bytes; line += 64)
+    __builtin_prefetch(step_codes + PREFETCH_BYTES + line, 0, 3);
+}
+
+// One row x one block's BLOCK_N outputs, the outputs interleaved (independent sums).
+void dot_row_avx2(const float* x, const float* x_sums, int64_t K, const uint8_t* codes,
+                  bool nibbles, const float* scales, const float* offsets, float* out) {
+  const int64_t groups = K / GROUP;
+  const int64_t step_bytes = (nibbles ? BLOCK_N / 2 : BLOCK_N) * GROUP;
+  __m256 acc_scaled[BLOCK_N], acc_offset[BLOCK_N];
+  for (int j = 0; j < BLOCK_N; ++j) acc_scaled[j] = acc_offset[j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* step_codes = codes + g * step_bytes;
+    prefetch_step(step_codes, step_bytes);
+    const float* xg = x + g * GROUP;
+    __m256 part[BLOCK_N];
+    for (int c = 0; c < 4; ++c) {
+      const __m256 xv = _mm256_loadu_ps(xg + 8 * c);
+      __m256 w[BLOCK_N];
+      if (nibbles) {
+        for (int p = 0; p < BLOCK_N / 2; ++p)
+          nibbles8(step_codes + p * GROUP + 8 * c, w[2 * p], w[2 * p + 1]);
+      } else {
+        for (int j = 0; j < BLOCK_N; ++j) w[j] = codes8(step_codes + j * GROUP + 8 * c);
+      }
+      for (int j = 0; j < BLOCK_N; ++j)
+        part[j] = c == 0 ? _mm256_mul_ps(w[j], xv) : _mm256_fmadd_ps(w[j], xv, part[j]);
+    }
+    const __m256 xs = _mm256_loadu_ps(x_sums + g * 8);
+    for (int j = 0; j < BLOCK_N; ++j) {
+      const GroupScale gs(scales, offsets, j * groups + g, nibbles);
+      acc_scaled[j] = _mm256_fmadd_ps(part[j], gs.scale, acc_scaled[j]);
+      acc_offset[j] = _mm256_fmadd_ps(xs, gs.offset, acc_offset[j]);
+    }
+  }
+  for (int j = 0; j < BLOCK_N; ++j) out[j] = sum8(_mm256_add_ps(acc_scaled[j], acc_offset[j]));
+}
+
+// RM rows (x float32 [RM, K], x_sums [RM, groups, 8]) x one block's BLOCK_N outputs, one
+// output at a time, the rows interleaved; each (row, output) as dot_row_avx2 computes it.
+template <int RM>
+void dot_block_avx2(const float* x, const float* x_sums, int64_t K, const uint8_t* codes,
+                    bool nibbles, const float* scales, const float* offsets, float* out) {
+  const int64_t groups = K / GROUP;
+  const int64_t step_bytes = (nibbles ? BLOCK_N / 2 : BLOCK_N) * GROUP;
+  for (int j = 0; j < BLOCK_N; ++j) {
+    const uint8_t* first = codes + (nibbles ? j / 2 : j) * GROUP;
+    __m256 acc_scaled[RM], acc_offset[RM];
+    for (int i = 0; i < RM; ++i) acc_scaled[i] = acc_offset[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* group_codes = first + g * step_bytes;
+      if (j == 0) prefetch_step(codes + g * step_bytes, step_bytes);
+      __m256 w[4];
+      for (int c = 0; c < 4; ++c) {
+        if (nibbles) {
+          __m256 even, odd;
+          nibbles8(group_codes + 8 * c, even, odd);
+          w[c] = j % 2 ? odd : even;
+        } else {
+          w[c] = codes8(group_codes + 8 * c);
+        }
+      }
+      const GroupScale gs(scales, offsets, j * groups + g, nibbles);
+      for (int i = 0; i < RM; ++i) {
+        const float* xg = x + i * K + g * GROUP;
+        __m256 part = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+        part = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), part);
+        part = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), part);
+        part = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), part);
+        acc_scaled[i] = _mm256_fmadd_ps(part, gs.scale, acc_scaled[i]);
+        acc_offset[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x_sums + (i * groups + g) * 8),
+                                        gs.offset, acc_offset[i]);
+      }
+    }
+    for (int i = 0; i < RM; ++i)
+      out[i * BLOCK_N + j] = sum8(_mm256_add_ps(acc_scaled[i], acc_offset[i]));
+  }
+}
+
+at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
+                            const at::Tensor& scales, const at::Tensor& offsets,
+                            const float* bias, bool nibbles, at::Tensor out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), groups = K / GROUP;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  std::vector<float> x_sums(M * groups * 8);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t l = 0; l < 8; ++l) {
+        const float* xg = xp + m * K + g * GROUP + l;
+        x_sums[(m * groups + g) * 8 + l] = ((xg[0] + xg[8]) + xg[16]) + xg[24];
+      }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t block_bytes = groups * codes.size(2) * GROUP;
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / block_bytes);
+  at::parallel_for(0, N / BLOCK_N, grain, [&](int64_t begin, int64_t end) {
+    float dots[BLOCK_M * BLOCK_N];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * BLOCK_N;
+      for (int64_t m0 = 0; m0 < M;) {
+        const int64_t left = M - m0;
+        const int64_t passes = (left + BLOCK_M - 1) / BLOCK_M;
+        const int64_t rows = (left + passes - 1) / passes;
+        const float* xr = xp + m0 * K;
+        const float* sr = x_sums.data() + m0 * groups * 8;
+        const uint8_t* block = cp + nb * block_bytes;
+        const float* bs = sp + n0 * groups;
+        const float* bo = op + n0 * groups;
+        switch (rows) {
+          case 4: dot_block_avx2<4>(xr, sr, K, block, nibbles, bs, bo, dots); break;
+          case 3: dot_block_avx2<3>(xr, sr, K, block, nibbles, bs, bo, dots); break;
+          case 2: dot_block_avx2<2>(xr, sr, K, block, nibbles, bs, bo, dots); break;
+          default: dot_row_avx2(xr, sr, K, block, nibbles, bs, bo, dots); break;
+        }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < BLOCK_N; ++j) {
+            float value = dots[i * BLOCK_N + j];
+            if (bias) value += bias[n0 + j];
+            yp[(m0 + i) * N + n0 + j] = c10::BFloat16(value).x;
+          }
+        m0 += rows;
+      }
+    }
+  });
+  return out;
+}
+#endif
+
 void dot_rows(int64_t rows, const uint16_t* x, const float* x_lane_sums, int64_t K,
               const std::vector<SuperBlock>& blocks, const LaneIndex& lane_index,
               const Weights& weights, const float* scales, const float* offsets, float* out) {
@@ -240,8 +478,11 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
                        const at::Tensor& scales, const at::Tensor& offsets,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.scalar_type() == at::kBFloat16, "int8_linear: input must be bfloat16");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous(),
-              "int8_linear: codes must come from int8_pack");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous() &&
+                  (codes.size(2) == BLOCK_N || codes.size(2) == BLOCK_N / 2) &&
+                  codes.size(3) == GROUP,
+              "int8_linear: codes must come from int8_pack (or int8_nibbles)");
+  const bool nibbles = codes.size(2) == BLOCK_N / 2;
   const int64_t N = codes.size(0) * BLOCK_N, groups = codes.size(1), K = groups * GROUP;
   TORCH_CHECK(input.size(-1) == K, "int8_linear: input has ", input.size(-1),
               " features, the weight ", K);
@@ -268,6 +509,14 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
   out_sizes.back() = N;
   at::Tensor out = at::empty({M, N}, input.options());
   if (M == 0) return out.view(out_sizes);
+#ifdef SPECDEC_AVX2
+  at::Tensor bias_avx2;
+  if (bias.has_value() && bias->defined()) bias_avx2 = bias->to(at::kFloat).contiguous();
+  return int8_linear_avx2(x, codes, scales, offsets,
+                          bias_avx2.defined() ? bias_avx2.data_ptr<float>() : nullptr,
+                          nibbles, out)
+      .view(out_sizes);
+#endif
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   // Each row in packed order, and its inputs' sum per lane of every super-block.
   std::vector<int32_t> source(K);
@@ -304,23 +553,24 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
     bp = bias_f.data_ptr<float>();
   }
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t block_bytes = groups * codes.size(2) * GROUP;  // one block's codes
   // Enough output blocks per task that each reads about 128 KiB of codes.
-  const int64_t grain = std::max<int64_t>(1, (1 << 17) / (BLOCK_N * K));
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / block_bytes);
   at::parallel_for(0, N / BLOCK_N, grain, [&](int64_t begin, int64_t end) {
 #ifndef SPECDEC_AVX512BF16
     std::vector<uint16_t> decoded(BLOCK_N * K);
 #endif
     float dots[BLOCK_M * BLOCK_N];
     for (int64_t nb = begin; nb < end; ++nb) {
-      const int64_t block_offset = nb * groups * BLOCK_N * GROUP;
+      const int64_t block_offset = nb * block_bytes;
 #ifdef SPECDEC_AVX512BF16
-      const PackedCodes weights{cp, block_offset, code_bytes};
+      const PackedCodes weights{cp, block_offset, code_bytes, nibbles};
 #else
       for (int64_t step = 0; step < groups; ++step)
         for (int64_t j = 0; j < BLOCK_N; ++j) {
-          const uint8_t* src = cp + block_offset + (step * BLOCK_N + j) * GROUP;
+          const uint8_t* step_codes = cp + block_offset + step * codes.size(2) * GROUP;
           uint16_t* dst = decoded.data() + j * K + step * GROUP;
-          for (int64_t i = 0; i < GROUP; ++i) dst[i] = static_cast<uint16_t>(0x4300 | src[i]);
+          for (int64_t i = 0; i < GROUP; ++i) dst[i] = decoded_weight(step_codes, nibbles, j, i);
         }
       const Weights weights = decoded.data();
 #endif
@@ -351,11 +601,13 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
 
 TORCH_LIBRARY(specdec, m) {
   m.def("int8_pack(Tensor codes, Tensor scales, Tensor offsets) -> (Tensor, Tensor, Tensor)");
+  m.def("int8_nibbles(Tensor codes) -> Tensor");
   m.def("int8_linear(Tensor input, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias)"
         " -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("int8_pack", &int8_pack);
+  m.impl("int8_nibbles", &int8_nibbles);
   m.impl("int8_linear", &int8_linear);
 }
