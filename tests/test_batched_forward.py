@@ -2,7 +2,7 @@
 
 Every request's result from a batch is compared with the same request run alone through
 `extend` on a twin runner holding the same sessions: bit for bit under the row-invariant
-kernels (bfloat16, oneDNN linears, rowwise attention), within float tolerance under the
+kernels (bfloat16, oneDNN or int8 linears, rowwise attention), within float tolerance under the
 float32 kernels. The caches are compared afterwards too, tensor for tensor.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from cpu_features import ROW_INVARIANT_BF16_LINEAR
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -34,7 +35,7 @@ from tests.tiny_models import tiny_feature_draft, tiny_llama
 
 VOCAB = 64
 KERNELS = {  # dtype name: (dtype, linear kernel, attention kernel, bit-exact)
-    "bfloat16": (torch.bfloat16, "onednn", "rowwise", True),
+    "bfloat16": (torch.bfloat16, ROW_INVARIANT_BF16_LINEAR, "rowwise", True),
     "float32": (torch.float32, "skinny", "grouped", False),
     "float32-sdpa": (torch.float32, "torch", "sdpa", False),  # what CUDA runs
 }
@@ -190,7 +191,7 @@ def test_a_long_catch_up_runs_its_prefill_alone_and_its_decode_rows_in_the_batch
 
 def test_a_feature_draft_batches_with_each_sessions_target_states() -> None:
     model: Any = tiny_feature_draft(vocab_size=VOCAB).to(torch.bfloat16)
-    apply_linear_kernel(model, "onednn")
+    apply_linear_kernel(model, ROW_INVARIANT_BF16_LINEAR)
     apply_attention_kernel(model, "rowwise")
     batched, alone = ModelRunner(model), ModelRunner(model)
     generator = torch.Generator().manual_seed(0)
@@ -283,7 +284,8 @@ def test_the_same_session_twice_in_one_batch_is_refused(bf16: PreTrainedModel) -
     assert runner._sessions["a"].history.tokens[-1] == 7
 
 
-def test_row_invariance_is_measured_for_the_onednn_kernel_only(bf16: PreTrainedModel) -> None:
+def test_row_invariance_is_measured_for_the_row_invariant_kernels_only(
+        bf16: PreTrainedModel) -> None:
     cap = ModelRunner(bf16).max_invariant_rows
     assert cap is not None and DECODE_ROWS <= cap <= ROW_INVARIANCE_PROBE_CAP
     assert row_invariant_rows(bf16) == cap  # measured once, remembered on the model
@@ -293,7 +295,7 @@ def test_row_invariance_is_measured_for_the_onednn_kernel_only(bf16: PreTrainedM
 
 class _OrderChangesPast12Rows(OneDnnLinear):
     """A oneDNN linear whose kernel, as on some CPUs for a wide output layer, sums in
-    another order beyond 12 rows: the result moves by one bfloat16 step there."""
+    another order beyond 12 rows: the result moves by one step of its precision there."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         out = super().forward(input)
@@ -301,9 +303,10 @@ class _OrderChangesPast12Rows(OneDnnLinear):
 
 
 def test_row_invariance_is_measured_on_every_shape_not_one_per_input_width() -> None:
-    narrow = nn.Linear(32, 8, bias=False).to(torch.bfloat16)
+    # float32: oneDNN serves it on every x86 CPU (bfloat16 needs AVX-512 there).
+    narrow = nn.Linear(32, 8, bias=False)
     narrow.__class__ = OneDnnLinear
-    wide = nn.Linear(32, 96, bias=False).to(torch.bfloat16)
+    wide = nn.Linear(32, 96, bias=False)
     wide.__class__ = _OrderChangesPast12Rows
     assert row_invariant_rows(nn.Sequential(narrow)) == ROW_INVARIANCE_PROBE_CAP
     # The same input width: the wide layer's own probe finds where its order changes.
@@ -342,7 +345,7 @@ def _forwards(row_counts: list[int], cap: int) -> int:
 def target_bf16() -> models.LoadedModel:
     torch.set_num_threads(2)
     return load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.bfloat16,
-                                 progress=False)
+                          progress=False, linear_kernel=ROW_INVARIANT_BF16_LINEAR)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_features import BF16_AUTO_LINEAR
 from service_harness import Services
 from tiny_models import tiny_feature_draft, tiny_llama
 
@@ -111,12 +112,12 @@ def test_draft_precision_flags_reach_the_settings_and_the_cost_label(
         ["bench", "--dtype", "bfloat16", "--draft-dtype", "float32",
          "--draft-linear-kernel", "torch"]))
     assert own.draft_precision == ("float32", "torch")
-    assert cost_label(own, tiny_pair) == "bfloat16@onednn@rowwise"
+    assert cost_label(own, tiny_pair) == f"bfloat16@{BF16_AUTO_LINEAR}@rowwise"
     # The table's label stays short; the chooser's timings belong to the report header.
     tiny_pair.draft_precision = "float32/torch"
     tiny_pair.draft_precision_detail = ("float32/torch, the fastest one-token step of "
                                         "bfloat16/onednn 5.0 ms, float32/torch 3.7 ms")
-    assert cost_label(own, tiny_pair) == "bfloat16@onednn@rowwise, draft float32/torch"
+    assert cost_label(own, tiny_pair) == f"bfloat16@{BF16_AUTO_LINEAR}@rowwise, draft float32/torch"
 
 
 def tiny_bench_models(tmp_path: Path) -> BenchModels:

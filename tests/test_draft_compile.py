@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo.utils
+from cpu_features import needs_onednn_bf16
 from tiny_models import tiny_llama
 
 from specdec.core.history import SyncPoint
@@ -202,6 +203,7 @@ def test_auto_falls_back_to_eager_when_compiling_fails_and_on_raises() -> None:
     assert model.forward == forward
 
 
+@needs_onednn_bf16
 def test_a_draft_on_the_onednn_kernel_is_not_compiled() -> None:
     """Inductor fails on onednn's prepacked weights after ~10 s of tracing; auto says so
     in one line and stays eager, on refuses with the setting that would compile."""

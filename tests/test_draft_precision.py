@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_features import BF16_AUTO_LINEAR
 from tiny_models import tiny_llama
 
 from specdec.engine.backends.cpu import load_causal_lm
@@ -18,7 +19,7 @@ CPU = torch.device("cpu")
 
 def test_candidates_are_the_shared_precision_then_float32_with_each_cpu_kernel() -> None:
     labels = [option.label for option in candidates(CPU, Precision(torch.bfloat16, "auto"))]
-    assert labels == ["bfloat16/onednn", "float32/torch", "float32/skinny"]
+    assert labels == [f"bfloat16/{BF16_AUTO_LINEAR}", "float32/torch", "float32/skinny"]
     # float32 with "auto" is float32/skinny already: no candidate twice.
     labels = [option.label for option in candidates(CPU, Precision(torch.float32, "auto"))]
     assert labels == ["float32/skinny", "float32/torch"]
@@ -44,7 +45,8 @@ def loader(draft_dir: Path) -> Callable[[Precision], LoadedModel]:
 def test_auto_keeps_the_fastest_measured_candidate(draft_dir: Path) -> None:
     choice = load_draft(loader(draft_dir), CPU, "auto", "auto", shared_dtype=torch.bfloat16,
                         target_vocab_size=None)
-    assert set(choice.step_s) == {"bfloat16/onednn", "float32/torch", "float32/skinny"}
+    assert set(choice.step_s) == {f"bfloat16/{BF16_AUTO_LINEAR}", "float32/torch",
+                                  "float32/skinny"}
     assert all(seconds > 0 for seconds in choice.step_s.values())
     assert choice.step_s[choice.precision.label] == min(choice.step_s.values())
     parameter = next(choice.loaded.model.parameters())

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from cpu_features import BF16_AUTO_LINEAR
 from exact_law import chi_square_pvalue, target_law
 from tiny_models import tiny_llama
 
@@ -92,10 +93,11 @@ def test_speculative_law_matches_target(models, setting: str) -> None:
 
 
 def test_speculative_law_matches_target_in_bfloat16_with_the_cpu_kernels(models) -> None:
-    """The default dtype: bfloat16 through the oneDNN linear and rowwise attention kernels."""
+    """bfloat16 through the CPU's auto linear kernel (oneDNN's where the CPU has bfloat16
+    support) and rowwise attention."""
     target, draft = (copy.deepcopy(model).to(torch.bfloat16) for model in models)
     for model in (target, draft):
-        assert apply_linear_kernel(model, "auto") == "onednn"
+        assert apply_linear_kernel(model, "auto") == BF16_AUTO_LINEAR
         assert apply_attention_kernel(model, "auto") == "rowwise"
     assert_law_matches(target, draft, SETTINGS["T0.7_topk4"])
 
@@ -103,7 +105,7 @@ def test_speculative_law_matches_target_in_bfloat16_with_the_cpu_kernels(models)
 def test_speculative_law_matches_a_bfloat16_target_with_a_float32_draft(models) -> None:
     """--draft-dtype: the draft's precision may differ from the target's as served."""
     target, draft = copy.deepcopy(models[0]).to(torch.bfloat16), copy.deepcopy(models[1])
-    assert apply_linear_kernel(target, "auto") == "onednn"
+    assert apply_linear_kernel(target, "auto") == BF16_AUTO_LINEAR
     assert apply_linear_kernel(draft, "torch") == "torch"
     assert_law_matches(target, draft, SETTINGS["T1"])
 
