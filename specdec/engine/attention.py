@@ -131,7 +131,10 @@ def rowwise_sdpa_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
 
 _native = OptionalOperators("specdec_rowwise_attention", "rowwise_attention.cpp",
                            ("rowwise_attention",),
-                           "each row takes an SDPA call of its own instead")
+                           "each row takes an SDPA call of its own instead",
+                           # The vector paths repeat the scalar code's rounding: no fused
+                           # multiply-adds anywhere.
+                           flags=("-ffp-contract=off",))
 
 
 def native_rowwise_attention() -> Callable[..., torch.Tensor] | None:

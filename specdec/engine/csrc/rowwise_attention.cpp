@@ -28,6 +28,9 @@
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define SPECDEC_AVX512 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define SPECDEC_AVX2 1
 #endif
 
 namespace {
@@ -210,11 +213,90 @@ void attend_row_vectors(const Sequence& sequence, int64_t r, int64_t first_head,
 }
 #endif
 
+#ifdef SPECDEC_AVX2
+// The same arithmetic as the scalar code on AVX2, for a head dimension that is a multiple
+// of 16: the 16 lanes as two vectors of 8 (lanes 0-7 and 8-15), each lane's products and
+// sums those of the scalar code in its order (a multiply, then an add), folded in the
+// same halves: the bits of the scalar code and of the AVX-512 path.
+struct Lanes16 {
+  __m256 low, high;
+};
+
+inline Lanes16 widen16(const uint16_t* source) {
+  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
+  const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + 8));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(low), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(high), 16))};
+}
+
+inline float fold(const Lanes16& lanes) {
+  const __m256 eight = _mm256_add_ps(lanes.low, lanes.high);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+void attend_row_vectors(const Sequence& sequence, int64_t r, int64_t first_head,
+                        int64_t count, int64_t groups, int64_t heads, int64_t dim,
+                        float scale, Scratch& scratch) {
+  const int64_t h_kv = first_head / groups, blocks = dim / LANES;
+  const int64_t prefix = sequence.prefixes.data_ptr<int64_t>()[r];
+  const int64_t keys = prefix + sequence.extra_counts.data_ptr<int64_t>()[r];
+  const int64_t* row_extras = sequence.extras.data_ptr<int64_t>() + r * sequence.extra_width;
+  auto slot = [&](int64_t j) { return j < prefix ? j : row_extras[j - prefix]; };
+  scratch.q.resize(count * dim);
+  scratch.acc.assign(count * dim, 0.0f);
+  scratch.sums.resize(count);
+  float* q = scratch.q.data();
+  for (int64_t g = 0; g < count; ++g)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Lanes16 v = widen16(sequence.query + (first_head + g) * sequence.query_head_stride +
+                                r * sequence.query_row_stride + b * LANES);
+      _mm256_storeu_ps(q + g * dim + b * LANES, v.low);
+      _mm256_storeu_ps(q + g * dim + b * LANES + 8, v.high);
+    }
+  scratch.scores.resize(count * keys);
+  float* scores = scratch.scores.data();
+  for (int64_t j = 0; j < keys; ++j) {
+    const uint16_t* key =
+        sequence.key + h_kv * sequence.key_head_stride + slot(j) * sequence.key_row_stride;
+    for (int64_t g = 0; g < count; ++g) {
+      Lanes16 lanes{_mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const Lanes16 k = widen16(key + b * LANES);
+        const float* qb = q + g * dim + b * LANES;
+        lanes.low = _mm256_add_ps(lanes.low, _mm256_mul_ps(_mm256_loadu_ps(qb), k.low));
+        lanes.high = _mm256_add_ps(lanes.high, _mm256_mul_ps(_mm256_loadu_ps(qb + 8), k.high));
+      }
+      scores[g * keys + j] = fold(lanes) * scale;
+    }
+  }
+  softmax_numerators(scores, count, keys, scratch.sums.data());
+  float* acc = scratch.acc.data();
+  for (int64_t j = 0; j < keys; ++j) {
+    const uint16_t* value =
+        sequence.value + h_kv * sequence.value_head_stride + slot(j) * sequence.value_row_stride;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Lanes16 v = widen16(value + b * LANES);
+      for (int64_t g = 0; g < count; ++g) {
+        float* a = acc + g * dim + b * LANES;
+        const __m256 p = _mm256_set1_ps(scores[g * keys + j]);
+        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(p, v.low)));
+        _mm256_storeu_ps(a + 8,
+                         _mm256_add_ps(_mm256_loadu_ps(a + 8), _mm256_mul_ps(p, v.high)));
+      }
+    }
+  }
+  write_rows(sequence.out + (r * heads + first_head) * dim, acc, scratch.sums.data(), count,
+             dim);
+}
+#endif
+
 // Row r of a sequence for query heads first_head .. first_head + count - 1, which share
 // one key/value head; each head's sums are its own, whichever heads share the call.
 void attend_row(const Sequence& sequence, int64_t r, int64_t first_head, int64_t count,
                 int64_t groups, int64_t heads, int64_t dim, float scale, Scratch& scratch) {
-#ifdef SPECDEC_AVX512
+#if defined(SPECDEC_AVX512) || defined(SPECDEC_AVX2)
   if (dim % LANES == 0)
     return attend_row_vectors(sequence, r, first_head, count, groups, heads, dim, scale,
                               scratch);
