@@ -157,6 +157,14 @@ inline uint16_t decoded_weight(const uint8_t* step_codes, bool nibbles, int64_t 
   return static_cast<uint16_t>(0x4300 | (j % 2 ? (byte >> 4) << 3 : (byte & 15) << 3));
 }
 
+// Output blocks per task: enough that each reads about 128 KiB of codes, but no more than
+// an even share of the threads, so a small layer still splits evenly over them.
+inline int64_t task_blocks(int64_t blocks, int64_t block_bytes) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::max<int64_t>(
+      1, std::min<int64_t>((1 << 17) / block_bytes, (blocks + threads - 1) / threads));
+}
+
 #ifdef SPECDEC_AVX512BF16
 inline __m512bh decode32(const uint8_t* codes) {
   const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
@@ -295,24 +303,15 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 
 #ifdef SPECDEC_AVX2
 // AVX2 with FMA (no bfloat16 dot products): float32 arithmetic on codes in the inputs'
-// own order. For each output and row, a group's 32 products go to 8 lanes (lane l sums
-// inputs l, l + 8, l + 16, l + 24 in that order), then two running sums take
-// scale * part and offset' * (the lanes' input sums), offset' = offset + 128 * scale
-// since the codes enter as c, not 128 + c; the result is the lanes of their sum added
-// in a fixed tree. Nibbles enter as c / 8 with 8 * scale: each partial sum is then
-// exactly an eighth of the byte path's, so the bits are the same. Every row and output
-// runs this same sequence whichever pass computes it: row-invariant.
-inline __m256 codes8(const uint8_t* codes) {
-  return _mm256_cvtepi32_ps(
-      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
-}
-
-// The even and the odd output's 8 codes / 8 from 8 bytes of int8_nibbles' layout.
-inline void nibbles8(const uint8_t* codes, __m256& even, __m256& odd) {
-  const __m256i v =
-      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-  even = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-  odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+// own order. Each group's weights are decoded once per block and pass of rows as
+// w = scale * c + offset' (one FMA per 8 weights; offset' = offset + 128 * scale, since
+// the codes enter as c, not 128 + c), and each (row, output) sum takes w * x into two
+// 8-lane accumulators, the group's first 16 inputs into one and the last 16 into the
+// other, group after group; the result is their sum's lanes added in a fixed tree.
+// Nibbles enter as c / 8 with 8 * scale, the same weights to the bit. Every row and
+// output runs this same sequence whichever pass computes it: row-invariant.
+inline __m256i bytes8(const uint8_t* codes) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
 }
 
 inline float sum8(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
@@ -321,93 +320,59 @@ inline float sum8(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
-// One output's group weights: the scale the part is multiplied by and offset'.
-struct GroupScale {
-  __m256 scale, offset;
-  GroupScale(const float* scales, const float* offsets, int64_t index, bool nibbles) {
-    const float s = scales[index];
-    scale = _mm256_set1_ps(nibbles ? 8.0f * s : s);
-    offset = _mm256_set1_ps(std::fma(128.0f, s, offsets[index]));
-  }
-};
-
 inline void prefetch_step(const uint8_t* step_codes, int64_t step_bytes) {
   for (int64_t line = 0; line < step_bytes; line += 64)
     __builtin_prefetch(step_codes + PREFETCH_BYTES + line, 0, 3);
 }
 
-// One row x one block's BLOCK_N outputs, the outputs interleaved (independent sums).
-void dot_row_avx2(const float* x, const float* x_sums, int64_t K, const uint8_t* codes,
-                  bool nibbles, const float* scales, const float* offsets, float* out) {
-  const int64_t groups = K / GROUP;
-  const int64_t step_bytes = (nibbles ? BLOCK_N / 2 : BLOCK_N) * GROUP;
-  __m256 acc_scaled[BLOCK_N], acc_offset[BLOCK_N];
-  for (int j = 0; j < BLOCK_N; ++j) acc_scaled[j] = acc_offset[j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* step_codes = codes + g * step_bytes;
-    prefetch_step(step_codes, step_bytes);
-    const float* xg = x + g * GROUP;
-    __m256 part[BLOCK_N];
-    for (int c = 0; c < 4; ++c) {
-      const __m256 xv = _mm256_loadu_ps(xg + 8 * c);
-      __m256 w[BLOCK_N];
-      if (nibbles) {
-        for (int p = 0; p < BLOCK_N / 2; ++p)
-          nibbles8(step_codes + p * GROUP + 8 * c, w[2 * p], w[2 * p + 1]);
-      } else {
-        for (int j = 0; j < BLOCK_N; ++j) w[j] = codes8(step_codes + j * GROUP + 8 * c);
-      }
-      for (int j = 0; j < BLOCK_N; ++j)
-        part[j] = c == 0 ? _mm256_mul_ps(w[j], xv) : _mm256_fmadd_ps(w[j], xv, part[j]);
+// Output j's 32 weights of one group (step_codes: the group's codes of the whole block).
+inline void decode_group(const uint8_t* step_codes, bool nibbles, int j, float scale,
+                         float offset, __m256 (&w)[4]) {
+  const __m256 s = _mm256_set1_ps(nibbles ? 8.0f * scale : scale);
+  const __m256 o = _mm256_set1_ps(std::fma(128.0f, scale, offset));
+  for (int c = 0; c < 4; ++c) {
+    __m256i v;
+    if (nibbles) {
+      v = bytes8(step_codes + (j / 2) * GROUP + 8 * c);
+      v = j % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+    } else {
+      v = bytes8(step_codes + j * GROUP + 8 * c);
     }
-    const __m256 xs = _mm256_loadu_ps(x_sums + g * 8);
-    for (int j = 0; j < BLOCK_N; ++j) {
-      const GroupScale gs(scales, offsets, j * groups + g, nibbles);
-      acc_scaled[j] = _mm256_fmadd_ps(part[j], gs.scale, acc_scaled[j]);
-      acc_offset[j] = _mm256_fmadd_ps(xs, gs.offset, acc_offset[j]);
-    }
+    w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, o);
   }
-  for (int j = 0; j < BLOCK_N; ++j) out[j] = sum8(_mm256_add_ps(acc_scaled[j], acc_offset[j]));
 }
 
-// RM rows (x float32 [RM, K], x_sums [RM, groups, 8]) x one block's BLOCK_N outputs, one
-// output at a time, the rows interleaved; each (row, output) as dot_row_avx2 computes it.
+// RM rows (x float32 [RM, K]) x one block's BLOCK_N outputs: one output at a time, its
+// decoded group shared by the rows (RM = 1: the outputs two at a time instead).
 template <int RM>
-void dot_block_avx2(const float* x, const float* x_sums, int64_t K, const uint8_t* codes,
-                    bool nibbles, const float* scales, const float* offsets, float* out) {
+void dot_block_avx2(const float* x, int64_t K, const uint8_t* codes, bool nibbles,
+                    const float* scales, const float* offsets, float* out) {
   const int64_t groups = K / GROUP;
   const int64_t step_bytes = (nibbles ? BLOCK_N / 2 : BLOCK_N) * GROUP;
-  for (int j = 0; j < BLOCK_N; ++j) {
-    const uint8_t* first = codes + (nibbles ? j / 2 : j) * GROUP;
-    __m256 acc_scaled[RM], acc_offset[RM];
-    for (int i = 0; i < RM; ++i) acc_scaled[i] = acc_offset[i] = _mm256_setzero_ps();
+  constexpr int OUTPUTS = RM == 1 ? 2 : 1;  // sums in flight: 2 * RM * OUTPUTS
+  for (int j0 = 0; j0 < BLOCK_N; j0 += OUTPUTS) {
+    __m256 low[RM][OUTPUTS], high[RM][OUTPUTS];
+    for (int i = 0; i < RM; ++i)
+      for (int t = 0; t < OUTPUTS; ++t) low[i][t] = high[i][t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* group_codes = first + g * step_bytes;
-      if (j == 0) prefetch_step(codes + g * step_bytes, step_bytes);
-      __m256 w[4];
-      for (int c = 0; c < 4; ++c) {
-        if (nibbles) {
-          __m256 even, odd;
-          nibbles8(group_codes + 8 * c, even, odd);
-          w[c] = j % 2 ? odd : even;
-        } else {
-          w[c] = codes8(group_codes + 8 * c);
+      const uint8_t* step_codes = codes + g * step_bytes;
+      if (j0 == 0) prefetch_step(step_codes, step_bytes);
+      for (int t = 0; t < OUTPUTS; ++t) {
+        const int j = j0 + t;
+        __m256 w[4];
+        decode_group(step_codes, nibbles, j, scales[j * groups + g], offsets[j * groups + g], w);
+        for (int i = 0; i < RM; ++i) {
+          const float* xg = x + i * K + g * GROUP;
+          low[i][t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), low[i][t]);
+          high[i][t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), high[i][t]);
+          low[i][t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), low[i][t]);
+          high[i][t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), high[i][t]);
         }
-      }
-      const GroupScale gs(scales, offsets, j * groups + g, nibbles);
-      for (int i = 0; i < RM; ++i) {
-        const float* xg = x + i * K + g * GROUP;
-        __m256 part = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
-        part = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), part);
-        part = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), part);
-        part = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), part);
-        acc_scaled[i] = _mm256_fmadd_ps(part, gs.scale, acc_scaled[i]);
-        acc_offset[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x_sums + (i * groups + g) * 8),
-                                        gs.offset, acc_offset[i]);
       }
     }
     for (int i = 0; i < RM; ++i)
-      out[i * BLOCK_N + j] = sum8(_mm256_add_ps(acc_scaled[i], acc_offset[i]));
+      for (int t = 0; t < OUTPUTS; ++t)
+        out[i * BLOCK_N + j0 + t] = sum8(_mm256_add_ps(low[i][t], high[i][t]));
   }
 }
 
@@ -417,19 +382,12 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), groups = K / GROUP;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  std::vector<float> x_sums(M * groups * 8);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t l = 0; l < 8; ++l) {
-        const float* xg = xp + m * K + g * GROUP + l;
-        x_sums[(m * groups + g) * 8 + l] = ((xg[0] + xg[8]) + xg[16]) + xg[24];
-      }
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_bytes = groups * codes.size(2) * GROUP;
-  const int64_t grain = std::max<int64_t>(1, (1 << 17) / block_bytes);
+  const int64_t grain = task_blocks(N / BLOCK_N, block_bytes);
   at::parallel_for(0, N / BLOCK_N, grain, [&](int64_t begin, int64_t end) {
     float dots[BLOCK_M * BLOCK_N];
     for (int64_t nb = begin; nb < end; ++nb) {
@@ -439,15 +397,14 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
         const int64_t passes = (left + BLOCK_M - 1) / BLOCK_M;
         const int64_t rows = (left + passes - 1) / passes;
         const float* xr = xp + m0 * K;
-        const float* sr = x_sums.data() + m0 * groups * 8;
         const uint8_t* block = cp + nb * block_bytes;
         const float* bs = sp + n0 * groups;
         const float* bo = op + n0 * groups;
         switch (rows) {
-          case 4: dot_block_avx2<4>(xr, sr, K, block, nibbles, bs, bo, dots); break;
-          case 3: dot_block_avx2<3>(xr, sr, K, block, nibbles, bs, bo, dots); break;
-          case 2: dot_block_avx2<2>(xr, sr, K, block, nibbles, bs, bo, dots); break;
-          default: dot_row_avx2(xr, sr, K, block, nibbles, bs, bo, dots); break;
+          case 4: dot_block_avx2<4>(xr, K, block, nibbles, bs, bo, dots); break;
+          case 3: dot_block_avx2<3>(xr, K, block, nibbles, bs, bo, dots); break;
+          case 2: dot_block_avx2<2>(xr, K, block, nibbles, bs, bo, dots); break;
+          default: dot_block_avx2<1>(xr, K, block, nibbles, bs, bo, dots); break;
         }
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j < BLOCK_N; ++j) {
@@ -554,8 +511,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
   }
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_bytes = groups * codes.size(2) * GROUP;  // one block's codes
-  // Enough output blocks per task that each reads about 128 KiB of codes.
-  const int64_t grain = std::max<int64_t>(1, (1 << 17) / block_bytes);
+  const int64_t grain = task_blocks(N / BLOCK_N, block_bytes);
   at::parallel_for(0, N / BLOCK_N, grain, [&](int64_t begin, int64_t end) {
 #ifndef SPECDEC_AVX512BF16
     std::vector<uint16_t> decoded(BLOCK_N * K);
