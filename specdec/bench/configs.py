@@ -15,8 +15,9 @@ GRPC = "specdec-grpc"
 # llama.cpp on the same weights (specdec.bench.llama_cpp; skipped where it is missing).
 LLAMA_CPP_BF16 = "llama-cpp-bf16"
 LLAMA_CPP_Q8_0 = "llama-cpp-q8_0"
+LLAMA_CPP_Q4_1 = "llama-cpp-q4_1"
 LLAMA_CPP_NGRAM = "llama-cpp-ngram"
-LLAMA_CPP_SYSTEMS = (LLAMA_CPP_BF16, LLAMA_CPP_Q8_0, LLAMA_CPP_NGRAM)
+LLAMA_CPP_SYSTEMS = (LLAMA_CPP_BF16, LLAMA_CPP_Q8_0, LLAMA_CPP_Q4_1, LLAMA_CPP_NGRAM)
 SYSTEMS = (TARGET_ONLY, HF_GENERATE, HF_ASSISTED, LOCAL, GRPC, *LLAMA_CPP_SYSTEMS)
 # specdec in-process with the token-only draft hf-assisted runs, beside a feature draft
 # (--systems ...,specdec-local-token-draft): the two drafts compared in one run.

@@ -4,6 +4,8 @@ weights, threads, prompts and token ids.
 Systems (each one row of the report):
 - llama-cpp-bf16, llama-cpp-q8_0: plain decoding of the embedded target's GGUF converted
   to bfloat16 and to Q8_0 (llama.cpp's 8-bit format);
+- llama-cpp-q4_1: plain decoding of the shipped GGUF itself (Q4_1 layers, a Q8_0
+  embedding), the bytes specdec's int8 format holds in 4-bit codes;
 - llama-cpp-ngram: llama.cpp's n-gram (prompt lookup) speculation on the Q8_0 weights.
 
 Runs through llama-cpp-python, an optional extra (`pip install -e .[llama-cpp]`, which
@@ -22,6 +24,7 @@ from typing import Any
 from specdec.bench.configs import (
     LLAMA_CPP_BF16,
     LLAMA_CPP_NGRAM,
+    LLAMA_CPP_Q4_1,
     LLAMA_CPP_Q8_0,
     BenchConfig,
     RunRecord,
@@ -29,7 +32,8 @@ from specdec.bench.configs import (
 )
 
 # The GGUF file type each system runs (llama.cpp's LLAMA_FTYPE names).
-FILE_TYPES = {LLAMA_CPP_BF16: "BF16", LLAMA_CPP_Q8_0: "Q8_0", LLAMA_CPP_NGRAM: "Q8_0"}
+FILE_TYPES = {LLAMA_CPP_BF16: "BF16", LLAMA_CPP_Q8_0: "Q8_0", LLAMA_CPP_Q4_1: "Q4_1",
+              LLAMA_CPP_NGRAM: "Q8_0"}
 NGRAM_DRAFT_TOKENS = 10  # llama-cpp-python's LlamaPromptLookupDecoding default
 CONTEXT_TOKENS = 4096
 
@@ -55,6 +59,8 @@ def gguf_path(file_type: str) -> Path:
     from specdec.engine.models import _smollm2_gguf_path, model_cache_dir
 
     source = _smollm2_gguf_path()
+    if source.stem.rsplit(".", 1)[-1] == file_type:
+        return source  # the shipped file itself
     out = model_cache_dir() / "gguf" / f"{source.stem.rsplit('.', 1)[0]}.{file_type}.gguf"
     if out.exists():
         return out
