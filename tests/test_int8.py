@@ -66,25 +66,44 @@ def test_16_level_codes_in_4_bits_give_the_same_bits(in_features: int, out_featu
                                                      bias: bool) -> None:
     """A layer of Q4_1 blocks keeps its codes in 4 bits, half the bytes, and every product
     equals the one from its 8-bit codes bit for bit, for any row count."""
-    layer = _q4_1_layer(in_features, out_features, bias)
-    quantized = int8.Int8Linear(layer)
-    assert quantized.nibbles
-    assert quantized.codes.numel() == out_features * in_features // 2
-    codes, scales, offsets = torch.ops.specdec.int8_pack(*int8.quantize(layer.weight))
-    assert torch.equal(torch.ops.specdec.int8_nibbles(codes), quantized.codes)
+    quantized = int8.Int8Linear(_q4_1_layer(in_features, out_features, bias))
+    assert not quantized.nibbles and int8.nibbles_fit(quantized.codes)
+    nibbles = torch.ops.specdec.int8_nibbles(quantized.codes)
+    assert nibbles.numel() == out_features * in_features // 2
     generator = torch.Generator().manual_seed(1)
     for rows in (1, 2, 3, 4, 5, 8, 9, 17):
         x = torch.randn(rows, in_features, generator=generator).bfloat16()
-        assert torch.equal(quantized(x), int8.int8_product(x, codes, scales, offsets,
-                                                           quantized.bias))
+        assert torch.equal(quantized(x), int8.int8_product(x, nibbles, quantized.scales,
+                                                           quantized.offsets, quantized.bias))
 
 
 def test_other_weights_keep_8_bit_codes_and_4_bits_refuse_them() -> None:
-    layer = _layer(96, 8)
-    assert not int8.Int8Linear(layer).nibbles
-    codes, _, _ = torch.ops.specdec.int8_pack(*int8.quantize(layer.weight))
+    quantized = int8.Int8Linear(_layer(96, 8))
+    assert not int8.nibbles_fit(quantized.codes)
     with pytest.raises(RuntimeError, match="not a multiple of 8"):
-        torch.ops.specdec.int8_nibbles(codes)
+        torch.ops.specdec.int8_nibbles(quantized.codes)
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_a_model_takes_4_bit_codes_where_they_fit_and_measure_faster(
+        monkeypatch: pytest.MonkeyPatch, faster: bool) -> None:
+    measured: list[int] = []
+
+    def probe(layer: int8.Int8Linear) -> bool:
+        measured.append(layer.out_features)
+        return faster
+
+    monkeypatch.setattr(int8, "nibbles_faster", probe)
+    model = nn.Sequential(_q4_1_layer(64, 8), _q4_1_layer(64, 32), _layer(64, 8))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        before = [int8.Int8Linear(layer)(x) for layer in model]
+    assert int8.quantize_linears(model) == 3
+    assert measured == [32]  # the largest layer that fits, once
+    assert [layer.nibbles for layer in model] == [faster, faster, False]
+    with torch.no_grad():
+        assert all(torch.equal(layer(x), out) for layer, out in zip(model, before, strict=True))
+
 
 
 def test_any_weight_is_held_within_a_240th_of_its_group_range() -> None:

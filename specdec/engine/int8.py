@@ -13,9 +13,13 @@ error of at most a 240th of a group's range per weight. The operator's source
 describes how the product is laid out for the CPU's vector units.
 
 A layer whose groups hold at most 16 levels each (every code a multiple of 8: a 4-bit
-GGUF's blocks, which the embedded target's layers all are) keeps its codes in 4 bits, two
-to a byte. They decode to the same weights, so the layer computes the same bits from half
-the code bytes; other layers keep a byte a code.
+GGUF's blocks, which the embedded target's layers all are) may keep its codes in 4 bits,
+two to a byte. They decode to the same weights, so the layer computes the same bits from
+half the code bytes, at the cost of a few more instructions per weight: where decoding
+is bound by memory that is faster, where it is bound by arithmetic (AVX2's float32
+path) slower. So the model's largest such layer times one-row products in both layouts
+when it is loaded, and every such layer takes the faster one; other layers keep a byte
+a code.
 
 The product is a small C++ operator (csrc/int8_linear.cpp, `torch.ops.specdec.int8_linear`)
 compiled on first use with the machine's C++ compiler for its own CPU (AVX-512 BF16
@@ -104,13 +108,36 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize's output in the operator's layout: the codes reordered so that each vector
-    lane sums one group's inputs (int8_pack), in 4 bits where every code is a multiple of
-    8 (int8_nibbles); a scale and an offset per group."""
-    packed, scales, offsets = torch.ops.specdec.int8_pack(codes, scales, offsets)
-    if bool((codes % 8 == 0).all()):
-        packed = torch.ops.specdec.int8_nibbles(packed)
-    return packed, scales, offsets
+    """quantize's output in the operator's layout (int8_pack): the codes reordered so that
+    each vector lane sums one group's inputs; a scale and an offset per group."""
+    return torch.ops.specdec.int8_pack(codes, scales, offsets)
+
+
+def nibbles_fit(codes: torch.Tensor) -> bool:
+    """Whether packed codes can be held in 4 bits: every one a multiple of 8."""
+    return int(codes.shape[2]) == BLOCK and bool((codes % 8 == 0).all())
+
+
+NIBBLE_PROBE_REPEATS = 15
+
+
+@torch.inference_mode()
+def nibbles_faster(layer: Int8Linear) -> bool:
+    """Whether layer's one-row product is faster from 4-bit codes than from bytes on this
+    CPU: medians of NIBBLE_PROBE_REPEATS products each, the layouts in turn."""
+    nibbles = torch.ops.specdec.int8_nibbles(layer.codes)
+    x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float32).to(torch.bfloat16)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(NIBBLE_PROBE_REPEATS):
+        for use_nibbles, codes in ((False, layer.codes), (True, nibbles)):
+            started = time.perf_counter()
+            int8_product(x, codes, layer.scales, layer.offsets, layer.bias)
+            times[use_nibbles].append(time.perf_counter() - started)
+    byte_s, nibble_s = (sorted(times[key])[NIBBLE_PROBE_REPEATS // 2] for key in (False, True))
+    log.info("int8: one-row product of a %d x %d layer %.0f us from 4-bit codes, %.0f us from "
+             "bytes", layer.out_features, layer.in_features, nibble_s * 1e6, byte_s * 1e6)
+    return nibble_s < byte_s
 
 
 def supports(linear: nn.Linear) -> bool:
@@ -165,14 +192,18 @@ def quantize_linears(model: nn.Module) -> int:
     (a tied output projection gets its own int8 copy; the embedding stays). Returns how
     many were replaced; the others keep their kernel."""
     load_operator()
-    replaced = 0
+    replaced: list[Int8Linear] = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and supports(child):
-                setattr(parent, name, Int8Linear(child))
-                replaced += 1
+                replaced.append(Int8Linear(child))
+                setattr(parent, name, replaced[-1])
+    fitting = [layer for layer in replaced if nibbles_fit(layer.codes)]
+    if fitting and nibbles_faster(max(fitting, key=lambda layer: layer.codes.numel())):
+        for layer in fitting:
+            layer.codes = torch.ops.specdec.int8_nibbles(layer.codes)
     if getattr(model, "config", None) is not None and hasattr(model.config, "tie_word_embeddings"):
         # The output projection is its own module now; the embedding must not be re-tied
         # onto it (transformers re-ties on some calls when the flag is set).
         model.config.tie_word_embeddings = False
-    return replaced
+    return len(replaced)
