@@ -363,3 +363,18 @@ def test_feature_draft_run_uses_a_token_only_assistant_for_transformers(tmp_path
     assert token_draft["acceptance_rate"] != greedy["specdec-local k=1"]["all"]["acceptance_rate"]
     assert data["meta"]["assistant_model"] == "tiny-assistant"
     assert "assisted generation runs `tiny-assistant`" in paths["markdown"].read_text()
+
+
+def test_the_cost_comparison_loads_what_dtype_auto_serves(tmp_path: Path) -> None:
+    """`specdec bench --costs-only` measures the default --dtype auto: int8 weights where the
+    operator runs, loaded with the bench's --fused-step as the services load them."""
+    from specdec.bench.dtypes import load_runners
+    from specdec.engine.int8 import Int8Linear
+
+    tiny_llama(64, seed=1, hidden=64).save_pretrained(tmp_path / "target")
+    tiny_llama(64, seed=2, layers=1, hidden=64).save_pretrained(tmp_path / "draft")
+    settings = BenchSettings(target_model=str(tmp_path / "target"),
+                             draft_model=str(tmp_path / "draft"))
+    target, draft = load_runners(settings, "auto")
+    assert any(isinstance(module, Int8Linear) for module in target.model.modules())
+    assert any(isinstance(module, Int8Linear) for module in draft.model.modules())

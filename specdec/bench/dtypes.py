@@ -2,7 +2,8 @@
 
 "float32", "bfloat16", "float16": weights and activations in that dtype.
 "int8": what `--dtype int8` serves: int8 linear weights, bfloat16 activations
-(specdec.engine.int8).
+(specdec.engine.int8); "auto": what `--dtype auto` serves (int8 where its operator runs,
+else bfloat16). Every format loads with the bench's --fused-step, as the services do.
 "FORMAT@KERNEL" (e.g. "float32@torch") also picks the linear kernel (specdec.engine.kernels),
 and "FORMAT@KERNEL@ATTENTION" (e.g. "float32@skinny@sdpa") the attention kernel
 (specdec.engine.attention); without them the bench's --linear-kernel / --attention-kernel apply.
@@ -16,7 +17,7 @@ import torch
 
 from specdec.engine.runner import ModelRunner
 
-FORMATS = ("float32", "bfloat16", "float16", "int8")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "auto")
 
 
 class PairSettings(Protocol):
@@ -26,6 +27,7 @@ class PairSettings(Protocol):
     draft_model: str
     linear_kernel: str
     attention_kernel: str
+    fused_step: str
 
 
 def load_runners(settings: PairSettings, label: str) -> tuple[ModelRunner, ModelRunner]:
@@ -51,10 +53,11 @@ def load_runners(settings: PairSettings, label: str) -> tuple[ModelRunner, Model
     dtype = parse_dtype(name)
     cpu = torch.device("cpu")
     target = load_causal_lm(settings.target_model, cpu, dtype, progress=False,
-                            linear_kernel=kernel, attention_kernel=attention)
+                            linear_kernel=kernel, attention_kernel=attention,
+                            fused_step=settings.fused_step)
     draft = load_causal_lm(settings.draft_model, cpu, dtype, progress=False,
                            linear_kernel=kernel, attention_kernel=attention,
-                           target_model=settings.target_model)
+                           target_model=settings.target_model, fused_step=settings.fused_step)
     target_model: Any = target.model
     draft_model: Any = draft.model
     vocab = int(target_model.config.vocab_size)
