@@ -309,7 +309,11 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 // 8-lane accumulators, the group's first 16 inputs into one and the last 16 into the
 // other, group after group; the result is their sum's lanes added in a fixed tree.
 // Nibbles enter as c / 8 with 8 * scale, the same weights to the bit. Every row and
-// output runs this same sequence whichever pass computes it: row-invariant.
+// output runs this same sequence whichever pass computes it: row-invariant. Up to
+// AVX2_BLOCK_M rows share a decoded weight vector (a k = 4 verification in one pass; more
+// accumulators would spill AVX2's 16 registers).
+constexpr int64_t AVX2_BLOCK_M = 5;
+
 inline __m256i bytes8(const uint8_t* codes) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
 }
@@ -389,18 +393,19 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
   const int64_t block_bytes = groups * codes.size(2) * GROUP;
   const int64_t grain = task_blocks(N / BLOCK_N, block_bytes);
   at::parallel_for(0, N / BLOCK_N, grain, [&](int64_t begin, int64_t end) {
-    float dots[BLOCK_M * BLOCK_N];
+    float dots[AVX2_BLOCK_M * BLOCK_N];
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n0 = nb * BLOCK_N;
       for (int64_t m0 = 0; m0 < M;) {
         const int64_t left = M - m0;
-        const int64_t passes = (left + BLOCK_M - 1) / BLOCK_M;
+        const int64_t passes = (left + AVX2_BLOCK_M - 1) / AVX2_BLOCK_M;
         const int64_t rows = (left + passes - 1) / passes;
         const float* xr = xp + m0 * K;
         const uint8_t* block = cp + nb * block_bytes;
         const float* bs = sp + n0 * groups;
         const float* bo = op + n0 * groups;
         switch (rows) {
+          case 5: dot_block_avx2<5>(xr, K, block, nibbles, bs, bo, dots); break;
           case 4: dot_block_avx2<4>(xr, K, block, nibbles, bs, bo, dots); break;
           case 3: dot_block_avx2<3>(xr, K, block, nibbles, bs, bo, dots); break;
           case 2: dot_block_avx2<2>(xr, K, block, nibbles, bs, bo, dots); break;
