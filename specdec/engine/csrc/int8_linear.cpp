@@ -165,6 +165,30 @@ inline int64_t task_blocks(int64_t blocks, int64_t block_bytes) {
       1, std::min<int64_t>((1 << 17) / block_bytes, (blocks + threads - 1) / threads));
 }
 
+// A block's rows in passes of at most block_m, as even as they go: pass(first row, rows).
+// Each row's sums run in the same order whichever pass computes it.
+template <class Pass>
+inline void for_each_pass(int64_t M, int64_t block_m, Pass&& pass) {
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t left = M - m0;
+    const int64_t passes = (left + block_m - 1) / block_m;
+    const int64_t rows = (left + passes - 1) / passes;
+    pass(m0, rows);
+    m0 += rows;
+  }
+}
+
+// A pass's sums dots [rows, BLOCK_N] (+ bias) as bfloat16 into out [M, N] at (m0, n0).
+inline void store_dots(const float* dots, int64_t rows, const float* bias, int64_t m0,
+                       int64_t n0, int64_t N, uint16_t* out) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < BLOCK_N; ++j) {
+      float value = dots[i * BLOCK_N + j];
+      if (bias) value += bias[n0 + j];
+      out[(m0 + i) * N + n0 + j] = c10::BFloat16(value).x;
+    }
+}
+
 #ifdef SPECDEC_AVX512BF16
 inline __m512bh decode32(const uint8_t* codes) {
   const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
@@ -396,14 +420,11 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
     float dots[AVX2_BLOCK_M * BLOCK_N];
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n0 = nb * BLOCK_N;
-      for (int64_t m0 = 0; m0 < M;) {
-        const int64_t left = M - m0;
-        const int64_t passes = (left + AVX2_BLOCK_M - 1) / AVX2_BLOCK_M;
-        const int64_t rows = (left + passes - 1) / passes;
+      const uint8_t* block = cp + nb * block_bytes;
+      const float* bs = sp + n0 * groups;
+      const float* bo = op + n0 * groups;
+      for_each_pass(M, AVX2_BLOCK_M, [&](int64_t m0, int64_t rows) {
         const float* xr = xp + m0 * K;
-        const uint8_t* block = cp + nb * block_bytes;
-        const float* bs = sp + n0 * groups;
-        const float* bo = op + n0 * groups;
         switch (rows) {
           case 5: dot_block_avx2<5>(xr, K, block, nibbles, bs, bo, dots); break;
           case 4: dot_block_avx2<4>(xr, K, block, nibbles, bs, bo, dots); break;
@@ -411,14 +432,8 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
           case 2: dot_block_avx2<2>(xr, K, block, nibbles, bs, bo, dots); break;
           default: dot_block_avx2<1>(xr, K, block, nibbles, bs, bo, dots); break;
         }
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < BLOCK_N; ++j) {
-            float value = dots[i * BLOCK_N + j];
-            if (bias) value += bias[n0 + j];
-            yp[(m0 + i) * N + n0 + j] = c10::BFloat16(value).x;
-          }
-        m0 += rows;
-      }
+        store_dots(dots, rows, bias, m0, n0, N, yp);
+      });
     }
   });
   return out;
@@ -536,23 +551,12 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
       const Weights weights = decoded.data();
 #endif
       const int64_t n0 = nb * BLOCK_N;
-      for (int64_t m0 = 0; m0 < M;) {
-        // Up to BLOCK_M rows share each decoded weight vector, the rows split into
-        // passes as even as they go. Each row's sums run in the same order whichever
-        // pass it is computed in.
-        const int64_t left = M - m0;
-        const int64_t passes = (left + BLOCK_M - 1) / BLOCK_M;
-        const int64_t rows = (left + passes - 1) / passes;
+      // Up to BLOCK_M rows share each decoded weight vector.
+      for_each_pass(M, BLOCK_M, [&](int64_t m0, int64_t rows) {
         dot_rows(rows, packed_x.data() + m0 * K, lane_sums.data() + m0 * count * LANES, K,
                  blocks, lane_index, weights, sp + n0 * groups, op + n0 * groups, dots);
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < BLOCK_N; ++j) {
-            float value = dots[i * BLOCK_N + j];
-            if (bp) value += bp[n0 + j];
-            yp[(m0 + i) * N + n0 + j] = c10::BFloat16(value).x;
-          }
-        m0 += rows;
-      }
+        store_dots(dots, rows, bp, m0, n0, N, yp);
+      });
     }
   });
   return out.view(out_sizes);

@@ -146,19 +146,56 @@ inline void write_rows(uint16_t* out, const float* acc, const float* sums, int64
       out[g * dim + d] = c10::BFloat16(acc[g * dim + d] / sums[g]).x;
 }
 
-#ifdef SPECDEC_AVX512
+#if defined(SPECDEC_AVX512) || defined(SPECDEC_AVX2)
 // The same arithmetic as widen, dot and the loops of attend_row, 16 lanes at a time, for a
 // head dimension that is a multiple of 16: each lane's products and sums are those of
 // the scalar code, in its order (a multiply, then an add: no fused multiply-add), and
-// the lanes fold in the same halves.
-inline __m512 widen16(const uint16_t* source) {
+// the lanes fold in the same halves. Lanes16 is one AVX-512 vector, or on AVX2 two
+// vectors of 8 (lanes 0-7 and 8-15).
+#ifdef SPECDEC_AVX512
+using Lanes16 = __m512;
+
+inline Lanes16 widen16(const uint16_t* source) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline Lanes16 lanes_zero() { return _mm512_setzero_ps(); }
+inline Lanes16 lanes_set1(float value) { return _mm512_set1_ps(value); }
+inline Lanes16 lanes_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void lanes_store(float* p, Lanes16 v) { _mm512_storeu_ps(p, v); }
+inline Lanes16 lanes_add(Lanes16 a, Lanes16 b) { return _mm512_add_ps(a, b); }
+inline Lanes16 lanes_mul(Lanes16 a, Lanes16 b) { return _mm512_mul_ps(a, b); }
+inline __m256 fold_to_eight(Lanes16 lanes) {
+  return _mm256_add_ps(_mm512_castps512_ps256(lanes), _mm512_extractf32x8_ps(lanes, 1));
+}
+#else
+struct Lanes16 {
+  __m256 low, high;
+};
 
-inline float fold(__m512 lanes) {
-  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(lanes),
-                                     _mm512_extractf32x8_ps(lanes, 1));
+inline __m256 widen8(const uint16_t* source) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline Lanes16 widen16(const uint16_t* source) { return {widen8(source), widen8(source + 8)}; }
+inline Lanes16 lanes_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes16 lanes_set1(float value) { return {_mm256_set1_ps(value), _mm256_set1_ps(value)}; }
+inline Lanes16 lanes_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void lanes_store(float* p, Lanes16 v) {
+  _mm256_storeu_ps(p, v.low);
+  _mm256_storeu_ps(p + 8, v.high);
+}
+inline Lanes16 lanes_add(Lanes16 a, Lanes16 b) {
+  return {_mm256_add_ps(a.low, b.low), _mm256_add_ps(a.high, b.high)};
+}
+inline Lanes16 lanes_mul(Lanes16 a, Lanes16 b) {
+  return {_mm256_mul_ps(a.low, b.low), _mm256_mul_ps(a.high, b.high)};
+}
+inline __m256 fold_to_eight(Lanes16 lanes) { return _mm256_add_ps(lanes.low, lanes.high); }
+#endif
+
+inline float fold(Lanes16 lanes) {
+  const __m256 eight = fold_to_eight(lanes);
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
@@ -178,96 +215,19 @@ void attend_row_vectors(const Sequence& sequence, int64_t r, int64_t first_head,
   float* q = scratch.q.data();
   for (int64_t g = 0; g < count; ++g)
     for (int64_t b = 0; b < blocks; ++b)
-      _mm512_storeu_ps(q + g * dim + b * LANES,
-                       widen16(sequence.query + (first_head + g) * sequence.query_head_stride +
-                               r * sequence.query_row_stride + b * LANES));
+      lanes_store(q + g * dim + b * LANES,
+                  widen16(sequence.query + (first_head + g) * sequence.query_head_stride +
+                          r * sequence.query_row_stride + b * LANES));
   scratch.scores.resize(count * keys);
   float* scores = scratch.scores.data();
   for (int64_t j = 0; j < keys; ++j) {
     const uint16_t* key =
         sequence.key + h_kv * sequence.key_head_stride + slot(j) * sequence.key_row_stride;
     for (int64_t g = 0; g < count; ++g) {
-      __m512 lanes = _mm512_setzero_ps();
+      Lanes16 lanes = lanes_zero();
       for (int64_t b = 0; b < blocks; ++b)
-        lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + b * LANES),
-                                                   widen16(key + b * LANES)));
-      scores[g * keys + j] = fold(lanes) * scale;
-    }
-  }
-  softmax_numerators(scores, count, keys, scratch.sums.data());
-  float* acc = scratch.acc.data();
-  for (int64_t j = 0; j < keys; ++j) {
-    const uint16_t* value =
-        sequence.value + h_kv * sequence.value_head_stride + slot(j) * sequence.value_row_stride;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 v = widen16(value + b * LANES);
-      for (int64_t g = 0; g < count; ++g) {
-        float* a = acc + g * dim + b * LANES;
-        const __m512 p = _mm512_set1_ps(scores[g * keys + j]);
-        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_mul_ps(p, v)));
-      }
-    }
-  }
-  write_rows(sequence.out + (r * heads + first_head) * dim, acc, scratch.sums.data(), count,
-             dim);
-}
-#endif
-
-#ifdef SPECDEC_AVX2
-// The same arithmetic as the scalar code on AVX2, for a head dimension that is a multiple
-// of 16: the 16 lanes as two vectors of 8 (lanes 0-7 and 8-15), each lane's products and
-// sums those of the scalar code in its order (a multiply, then an add), folded in the
-// same halves: the bits of the scalar code and of the AVX-512 path.
-struct Lanes16 {
-  __m256 low, high;
-};
-
-inline Lanes16 widen16(const uint16_t* source) {
-  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
-  const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + 8));
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(low), 16)),
-          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(high), 16))};
-}
-
-inline float fold(const Lanes16& lanes) {
-  const __m256 eight = _mm256_add_ps(lanes.low, lanes.high);
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
-}
-
-void attend_row_vectors(const Sequence& sequence, int64_t r, int64_t first_head,
-                        int64_t count, int64_t groups, int64_t heads, int64_t dim,
-                        float scale, Scratch& scratch) {
-  const int64_t h_kv = first_head / groups, blocks = dim / LANES;
-  const int64_t prefix = sequence.prefixes.data_ptr<int64_t>()[r];
-  const int64_t keys = prefix + sequence.extra_counts.data_ptr<int64_t>()[r];
-  const int64_t* row_extras = sequence.extras.data_ptr<int64_t>() + r * sequence.extra_width;
-  auto slot = [&](int64_t j) { return j < prefix ? j : row_extras[j - prefix]; };
-  scratch.q.resize(count * dim);
-  scratch.acc.assign(count * dim, 0.0f);
-  scratch.sums.resize(count);
-  float* q = scratch.q.data();
-  for (int64_t g = 0; g < count; ++g)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const Lanes16 v = widen16(sequence.query + (first_head + g) * sequence.query_head_stride +
-                                r * sequence.query_row_stride + b * LANES);
-      _mm256_storeu_ps(q + g * dim + b * LANES, v.low);
-      _mm256_storeu_ps(q + g * dim + b * LANES + 8, v.high);
-    }
-  scratch.scores.resize(count * keys);
-  float* scores = scratch.scores.data();
-  for (int64_t j = 0; j < keys; ++j) {
-    const uint16_t* key =
-        sequence.key + h_kv * sequence.key_head_stride + slot(j) * sequence.key_row_stride;
-    for (int64_t g = 0; g < count; ++g) {
-      Lanes16 lanes{_mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t b = 0; b < blocks; ++b) {
-        const Lanes16 k = widen16(key + b * LANES);
-        const float* qb = q + g * dim + b * LANES;
-        lanes.low = _mm256_add_ps(lanes.low, _mm256_mul_ps(_mm256_loadu_ps(qb), k.low));
-        lanes.high = _mm256_add_ps(lanes.high, _mm256_mul_ps(_mm256_loadu_ps(qb + 8), k.high));
-      }
+        lanes = lanes_add(lanes, lanes_mul(lanes_load(q + g * dim + b * LANES),
+                                           widen16(key + b * LANES)));
       scores[g * keys + j] = fold(lanes) * scale;
     }
   }
@@ -280,10 +240,8 @@ void attend_row_vectors(const Sequence& sequence, int64_t r, int64_t first_head,
       const Lanes16 v = widen16(value + b * LANES);
       for (int64_t g = 0; g < count; ++g) {
         float* a = acc + g * dim + b * LANES;
-        const __m256 p = _mm256_set1_ps(scores[g * keys + j]);
-        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(p, v.low)));
-        _mm256_storeu_ps(a + 8,
-                         _mm256_add_ps(_mm256_loadu_ps(a + 8), _mm256_mul_ps(p, v.high)));
+        const Lanes16 p = lanes_set1(scores[g * keys + j]);
+        lanes_store(a, lanes_add(lanes_load(a), lanes_mul(p, v)));
       }
     }
   }
