@@ -263,7 +263,8 @@ _ALL = (
             type=int, advanced=True),
     Setting("linear-kernel", "auto",
             "matmul kernel of the linear layers: auto (skinny for float32, onednn for "
-            "bfloat16), torch, skinny, onednn or int8 (= --dtype int8)", CPU_KERNELS,
+            "bfloat16 where the CPU has its bfloat16 support, else torch), torch, skinny, "
+            "onednn or int8 (= --dtype int8)", CPU_KERNELS,
             choices=LINEAR_KERNELS, advanced=True),
     Setting("attention-kernel", "auto",
             "attention of decode-sized forwards: auto (grouped for float32, rowwise for "

@@ -17,7 +17,8 @@ nothing else: bfloat16, float16, CUDA and prefills (more than SKINNY_MAX_ROWS ro
 
 Kernels: "torch" (F.linear everywhere), "skinny" (the above), "onednn" (below), "int8"
 (int8 weights with bfloat16 activations, specdec.engine.int8; what `--dtype int8`
-selects), "auto" (on CPU skinny for float32 and onednn for bfloat16; torch otherwise).
+selects), "auto" (on CPU skinny for float32 and onednn for bfloat16 where the CPU has
+oneDNN's bfloat16 support, AVX-512 or AVX-NE-CONVERT; torch otherwise).
 
 "onednn" hands the product to oneDNN with the weight reordered once, at load, into its
 blocked layout (the path torch.compile's CPU backend takes for linear layers). Its cost
