@@ -13,28 +13,19 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_features import ONEDNN_BF16, needs_onednn_bf16
 from torch import nn
 
 from specdec.core.loop import GenerateConfig, RoundEvent, generate
 from specdec.engine import models
 from specdec.engine.attention import resolve_attention
 from specdec.engine.backends.cpu import load_causal_lm
-from specdec.engine.kernels import (
-    ONEDNN_MIN_ROWS,
-    OneDnnLinear,
-    onednn_available,
-    resolve_kernel,
-)
+from specdec.engine.kernels import ONEDNN_MIN_ROWS, OneDnnLinear, resolve_kernel
 from specdec.engine.local import LocalDrafter, LocalVerifier
 from specdec.engine.runner import ExtendRequest, ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
 
 CPU = torch.device("cpu")
-# bfloat16's row-invariant linear kernel is oneDNN's, which needs AVX-512 (or AVX-NE-CONVERT);
-# without it --dtype bfloat16 makes no row-invariance claim and the loader says so.
-ONEDNN_BF16 = onednn_available(torch.bfloat16)
-needs_onednn_bf16 = pytest.mark.skipif(
-    not ONEDNN_BF16, reason="this CPU has no oneDNN bfloat16 (no AVX-512 or AVX-NE-CONVERT)")
 
 
 def _dtypes() -> list[object]:

@@ -106,13 +106,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
         out_features, in_features)
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize's output in the operator's layout (int8_pack): the codes reordered so that
-    each vector lane sums one group's inputs; a scale and an offset per group."""
-    return torch.ops.specdec.int8_pack(codes, scales, offsets)
-
-
 def nibbles_fit(codes: torch.Tensor) -> bool:
     """Whether packed codes can be held in 4 bits: every one a multiple of 8."""
     return int(codes.shape[2]) == BLOCK and bool((codes % 8 == 0).all())
@@ -166,7 +159,9 @@ class Int8Linear(nn.Module):
                              f"out_features % {BLOCK} == 0, got {linear.in_features} -> "
                              f"{linear.out_features}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scales, offsets = pack(*quantize(linear.weight))
+        # The operator's layout (int8_pack): codes reordered so that each vector lane sums
+        # one group's inputs; a scale and an offset per group.
+        codes, scales, offsets = torch.ops.specdec.int8_pack(*quantize(linear.weight))
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)

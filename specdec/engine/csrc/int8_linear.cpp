@@ -463,12 +463,27 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
   const int64_t N = codes.size(0) * BLOCK_N, groups = codes.size(1), K = groups * GROUP;
   TORCH_CHECK(input.size(-1) == K, "int8_linear: input has ", input.size(-1),
               " features, the weight ", K);
-  const auto blocks = super_blocks(groups);
-  const int64_t count = static_cast<int64_t>(blocks.size());
   TORCH_CHECK(scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kFloat &&
                   scales.is_contiguous() && offsets.is_contiguous() &&
                   scales.numel() == N * groups && offsets.numel() == N * groups,
               "int8_linear: scales and offsets must come from int8_pack");
+  const at::Tensor x = input.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  auto out_sizes = input.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, input.options());
+  if (M == 0) return out.view(out_sizes);
+  at::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(at::kFloat).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+#ifdef SPECDEC_AVX2
+  return int8_linear_avx2(x, codes, scales, offsets, bp, nibbles, out).view(out_sizes);
+#endif
+  const auto blocks = super_blocks(groups);
+  const int64_t count = static_cast<int64_t>(blocks.size());
 #ifdef SPECDEC_AVX512BF16
   LaneIndex lane_index;
   for (const SuperBlock& block : blocks) {
@@ -479,20 +494,6 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
   }
 #else
   const LaneIndex lane_index;
-#endif
-  const at::Tensor x = input.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  auto out_sizes = input.sizes().vec();
-  out_sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, input.options());
-  if (M == 0) return out.view(out_sizes);
-#ifdef SPECDEC_AVX2
-  at::Tensor bias_avx2;
-  if (bias.has_value() && bias->defined()) bias_avx2 = bias->to(at::kFloat).contiguous();
-  return int8_linear_avx2(x, codes, scales, offsets,
-                          bias_avx2.defined() ? bias_avx2.data_ptr<float>() : nullptr,
-                          nibbles, out)
-      .view(out_sizes);
 #endif
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   // Each row in packed order, and its inputs' sum per lane of every super-block.
@@ -523,12 +524,6 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
   const int64_t code_bytes = codes.numel();
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
-  at::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    bp = bias_f.data_ptr<float>();
-  }
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_bytes = groups * codes.size(2) * GROUP;  // one block's codes
   const int64_t grain = task_blocks(N / BLOCK_N, block_bytes);
