@@ -22,7 +22,7 @@ when it is loaded, and every such layer takes the faster one; other layers keep 
 a code.
 
 The product is a small C++ operator (csrc/int8_linear.cpp, `torch.ops.specdec.int8_linear`)
-compiled on first use with the machine's C++ compiler for its own CPU (AVX-512 BF16
+compiled on first use with the machine's C++ compiler for its own CPU (AVX-512 BF16 or AVX2
 where present, portable C++ elsewhere) and cached on disk. Each output element is a sum
 in an order fixed by the layer's width alone, so a row's result never depends on the
 other rows in the forward: exact verification and batching of sessions hold by
