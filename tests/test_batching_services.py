@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from cpu_features import ROW_INVARIANT_BF16_LINEAR
 from exact_law import chi_square_pvalue, target_law
 from service_harness import Services
 from tiny_models import tiny_llama
@@ -422,19 +423,19 @@ REAL_PROMPTS = ["What is the capital of France?", "Name three primary colours.",
 
 @pytest.mark.slow
 def test_real_pair_concurrent_greedy_equals_serial_target_only() -> None:
-    """(a) The SmolLM2 pair in bfloat16: eight chat requests at once, different lengths,
-    half with alternatives, each equal to the same request served alone and to the
-    target's own serial greedy output."""
+    """(a) The SmolLM2 pair in bfloat16 on this CPU's row-invariant linear kernel: eight
+    chat requests at once, different lengths, half with alternatives, each equal to the
+    same request served alone and to the target's own serial greedy output."""
     from specdec.engine import models as model_zoo
     from specdec.engine.backends.cpu import load_causal_lm
     from specdec.serving.model_service import model_info
 
     torch.set_num_threads(2)
     cpu = torch.device("cpu")
-    target = load_causal_lm(model_zoo.DEFAULT_TARGET, cpu, torch.bfloat16,
-                                      progress=False)
-    draft = load_causal_lm(model_zoo.DEFAULT_DRAFT, cpu, torch.bfloat16,
-                                     progress=False)
+    target = load_causal_lm(model_zoo.DEFAULT_TARGET, cpu, torch.bfloat16, progress=False,
+                            linear_kernel=ROW_INVARIANT_BF16_LINEAR)
+    draft = load_causal_lm(model_zoo.DEFAULT_DRAFT, cpu, torch.bfloat16, progress=False,
+                           linear_kernel=ROW_INVARIANT_BF16_LINEAR)
     assert target.tokenizer is not None
     eos = model_info(model_zoo.DEFAULT_TARGET).eos_token_ids
     prompts = [list(target.tokenizer.apply_chat_template(

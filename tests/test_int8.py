@@ -133,6 +133,25 @@ def test_the_operator_computes_x_times_the_weight_it_holds(in_features: int,
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=2e-2 * expected.abs().max().item())
 
 
+def test_rows_of_any_magnitude_and_outliers_keep_their_accuracy() -> None:
+    """Each row is computed at its own scale (the AVX2 path's 16-bit inputs take a power of
+    two per row): tiny, huge and all-zero rows, and a row whose largest input dwarfs the
+    rest, stay as accurate as a row of ordinary inputs."""
+    layer = _layer(576, 64, bias=True)
+    quantized = int8.Int8Linear(layer)
+    weight = int8.dequantize(*int8.quantize(layer.weight))
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(5, 576, generator=generator)
+    x = torch.stack([base[0] * 1e-30, base[1] * 1e30, torch.zeros(576), base[3], base[4]])
+    x[3, 7] = 3e3  # an outlier channel; the other inputs are about 2^-11 of it
+    x = x.bfloat16()
+    got = quantized(x).float()
+    for row in range(5):
+        expected = x[row].float() @ weight.T + layer.bias.detach()
+        torch.testing.assert_close(got[row], expected, rtol=1e-2,
+                                   atol=2e-2 * expected.abs().max().item(), msg=f"row {row}")
+
+
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (1536, 64), (96, 8)])
 def test_a_row_gets_the_same_bits_whatever_shares_its_forward(in_features: int,
                                                                out_features: int) -> None:

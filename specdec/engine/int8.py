@@ -16,14 +16,17 @@ A layer whose groups hold at most 16 levels each (every code a multiple of 8: a 
 GGUF's blocks, which the embedded target's layers all are) may keep its codes in 4 bits,
 two to a byte. They decode to the same weights, so the layer computes the same bits from
 half the code bytes, at the cost of a few more instructions per weight: where decoding
-is bound by memory that is faster, where it is bound by arithmetic (AVX2's float32
-path) slower. So the model's largest such layer times one-row products in both layouts
-when it is loaded, and every such layer takes the faster one; other layers keep a byte
-a code.
+is bound by memory that is faster, where it is bound by arithmetic slower. So the
+model's largest such layer times one-row products in both layouts when it is loaded,
+and every such layer takes the faster one; other layers keep a byte a code.
 
 The product is a small C++ operator (csrc/int8_linear.cpp, `torch.ops.specdec.int8_linear`)
 compiled on first use with the machine's C++ compiler for its own CPU (AVX-512 BF16 or AVX2
-where present, portable C++ elsewhere) and cached on disk. Each output element is a sum
+where present, portable C++ elsewhere) and cached on disk. The AVX2 path, lacking
+bfloat16 dot products, multiplies integers: each row enters as 16-bit integers times a
+power of two per row (every input within 2^7 of the row's largest held exactly, smaller
+ones to half a step), and the codes' products are summed exactly in int32 per group
+before the scales apply (docs/models.md has its quality). Each output element is a sum
 in an order fixed by the layer's width alone, so a row's result never depends on the
 other rows in the forward: exact verification and batching of sessions hold by
 construction, and the load-time probe (specdec.engine.kernels.row_invariant_rows) checks

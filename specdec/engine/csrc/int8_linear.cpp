@@ -1,4 +1,6 @@
 // Weights in one byte each, bfloat16 activations: y = x @ w^T (+ bias), for decoding.
+// Three paths, chosen when the operator is compiled for the CPU at hand: AVX-512 BF16
+// (below), AVX2 (integer products on 16-bit activations, int8_linear_avx2) and portable C++.
 //
 // Each weight row is cut into groups of GROUP = 32 inputs, each group with a float32
 // scale s and offset o, and each weight a code c in 0..127: w = s * (128 + c) + o.
@@ -15,7 +17,8 @@
 // bytes a token reads are the codes and one scale and offset per 32 of them. Per row and
 // 32 weights that is one vdpbf16ps and a sixteenth of a multiply-add. The weights are
 // decoded in registers as they are used, once for up to 4 rows, so a verification's
-// extra rows cost little.
+// extra rows cost little. The AVX2 path packs super-blocks of 8 groups for its 8 lanes
+// (avx2_source_index).
 //
 // A layer whose codes are all multiples of 8 (16 levels a group, as a 4-bit GGUF block
 // holds) keeps them in 4 bits (int8_nibbles): two outputs share a byte, code / 8 of the
@@ -34,8 +37,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -62,11 +68,12 @@ struct SuperBlock {
   int64_t groups;      // 16, 8, 4, 2 or 1: as many vector steps
 };
 
-// Groups in super-blocks of 16, then the rest in powers of two, largest first.
-std::vector<SuperBlock> super_blocks(int64_t groups) {
+// Groups in super-blocks of `lanes` (a vector's lanes), then the rest in powers of two,
+// largest first.
+std::vector<SuperBlock> super_blocks(int64_t groups, int64_t lanes = LANES) {
   std::vector<SuperBlock> blocks;
   int64_t step = 0;
-  for (int64_t size = LANES; size >= 1; size /= 2)
+  for (int64_t size = lanes; size >= 1; size /= 2)
     while (groups - step >= size) {
       blocks.push_back({step, size});
       step += size;
@@ -82,15 +89,39 @@ inline int64_t source_index(const SuperBlock& block, int64_t step, int64_t lane,
   return group * GROUP + 2 * (t * lanes_per_group + lane % lanes_per_group) + pair;
 }
 
-// Where int8_pack puts the input at packed position (step, lane, pair): the super-blocks'
-// order, or on AVX2 (int8_linear_avx2) the inputs' own order, a step one group.
-inline int64_t packed_source(const SuperBlock& block, int64_t step, int64_t lane, int64_t pair) {
 #ifdef SPECDEC_AVX2
-  (void)block;
-  return step * GROUP + 2 * lane + pair;
-#else
-  return source_index(block, step, lane, pair);
+constexpr int64_t AVX2_LANES = 8;  // int32 lanes of an AVX2 vector
+
+// The AVX2 path's packed order: super-blocks of up to 8 groups, a group's 32 positions
+// two int16 steps of 8 lanes x 2 inputs, and lane l of a super-block of n groups summing
+// inputs of group first + l / (8 / n) only (as source_index does with 16 lanes).
+inline int64_t avx2_source_index(const SuperBlock& block, int64_t slot, int64_t position) {
+  const int64_t lanes_per_group = AVX2_LANES / block.groups;
+  const int64_t t = 2 * (slot - block.first_step) + position / 16;  // int16 step
+  const int64_t lane = (position % 16) / 2;
+  const int64_t group = block.first_step + lane / lanes_per_group;
+  return group * GROUP + 2 * (t * lanes_per_group + lane % lanes_per_group) + position % 2;
+}
 #endif
+
+// For each packed position (step * GROUP + position in the step) the input it holds: the
+// vector path's order (avx2_source_index or source_index; the portable path shares
+// AVX-512's).
+std::vector<int64_t> packed_sources(int64_t groups) {
+  std::vector<int64_t> sources(groups * GROUP);
+#ifdef SPECDEC_AVX2
+  for (const SuperBlock& block : super_blocks(groups, AVX2_LANES))
+    for (int64_t slot = block.first_step; slot < block.first_step + block.groups; ++slot)
+      for (int64_t position = 0; position < GROUP; ++position)
+        sources[slot * GROUP + position] = avx2_source_index(block, slot, position);
+#else
+  for (const SuperBlock& block : super_blocks(groups))
+    for (int64_t step = block.first_step; step < block.first_step + block.groups; ++step)
+      for (int64_t lane = 0; lane < LANES; ++lane)
+        for (int64_t pair = 0; pair < 2; ++pair)
+          sources[step * GROUP + 2 * lane + pair] = source_index(block, step, lane, pair);
+#endif
+  return sources;
 }
 
 inline float bf16_to_float(uint16_t bits) {
@@ -111,19 +142,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes
               "int8_pack: input features must be a multiple of 32, outputs of 4");
   const at::Tensor c = codes.contiguous(), s = scales.to(at::kFloat).contiguous(),
                    o = offsets.to(at::kFloat).contiguous();
-  const auto blocks = super_blocks(groups);
+  const auto sources = packed_sources(groups);
   at::Tensor packed = at::empty({N / BLOCK_N, groups, BLOCK_N, GROUP}, codes.options());
   TORCH_CHECK(s.numel() == N * groups && o.numel() == N * groups,
               "int8_pack: scales and offsets need one value per group of 32 inputs");
   const uint8_t* cp = c.data_ptr<uint8_t>();
   uint8_t* pp = packed.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; ++n)
-    for (const SuperBlock& block : blocks)
-      for (int64_t step = block.first_step; step < block.first_step + block.groups; ++step)
-        for (int64_t lane = 0; lane < LANES; ++lane)
-          for (int64_t pair = 0; pair < 2; ++pair)
-            pp[(((n / BLOCK_N) * groups + step) * BLOCK_N + n % BLOCK_N) * GROUP + 2 * lane + pair] =
-                cp[n * K + packed_source(block, step, lane, pair)];
+    for (int64_t step = 0; step < groups; ++step)
+      for (int64_t position = 0; position < GROUP; ++position)
+        pp[(((n / BLOCK_N) * groups + step) * BLOCK_N + n % BLOCK_N) * GROUP + position] =
+            cp[n * K + sources[step * GROUP + position]];
   return {packed, s.clone().view({N, groups}), o.clone().view({N, groups})};
 }
 
@@ -326,21 +355,17 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 #endif
 
 #ifdef SPECDEC_AVX2
-// AVX2 with FMA (no bfloat16 dot products): float32 arithmetic on codes in the inputs'
-// own order. Each group's weights are decoded once per block and pass of rows as
-// w = scale * c + offset' (one FMA per 8 weights; offset' = offset + 128 * scale, since
-// the codes enter as c, not 128 + c), and each (row, output) sum takes w * x into two
-// 8-lane accumulators, the group's first 16 inputs into one and the last 16 into the
-// other, group after group; the result is their sum's lanes added in a fixed tree.
-// Nibbles enter as c / 8 with 8 * scale, the same weights to the bit. Every row and
-// output runs this same sequence whichever pass computes it: row-invariant. Up to
-// AVX2_BLOCK_M rows share a decoded weight vector (a k = 4 verification in one pass; more
-// accumulators would spill AVX2's 16 registers).
-constexpr int64_t AVX2_BLOCK_M = 5;
-
-inline __m256i bytes8(const uint8_t* codes) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-}
+// AVX2 (no bfloat16 dot products): integer products. Each row enters as 16-bit integers
+// q = x / a, a = 2^(e - 15) for the power of two 2^e just above the row's largest |x|:
+// every bfloat16 input within 2^7 of that largest is held exactly, smaller ones to
+// a / 2 (a is at least 2^-125, so a float; rows below 2^-110 hold less). vpmaddwd multiplies 16 inputs by their codes and adds pairs into 8 int32 lanes,
+// lane l summing group first + l / (8 / n) of a super-block of n <= 8 groups
+// (avx2_source_index), exactly. Per super-block each lane's sum enters a float32 sum as
+// sum * scale + offset' * (the lane's sum of q), offset' = offset + 128 * scale (the codes
+// enter as c, not 128 + c); the result is that sum's lanes in a fixed tree, times a.
+// Nibbles enter as c / 8 with 8 * scale: the same bits. The order depends on the layer's
+// width alone, so a row's result never depends on the other rows: row-invariant.
+constexpr int64_t AVX2_BLOCK_M = 4;  // rows sharing a pass (a k = 3 verification in one)
 
 inline float sum8(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
   const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -348,59 +373,172 @@ inline float sum8(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
-inline void prefetch_step(const uint8_t* step_codes, int64_t step_bytes) {
-  for (int64_t line = 0; line < step_bytes; line += 64)
-    __builtin_prefetch(step_codes + PREFETCH_BYTES + line, 0, 3);
+// A super-block's per-lane values from one output's per-group values (lane l: group
+// first + l / (8 / n)).
+struct Avx2LaneIndex {
+  __m256i mask;   // the super-block's groups
+  __m256i index;  // lane -> group in the super-block
+};
+
+inline __m256 lane_values8(const float* per_group, const SuperBlock& block,
+                           const Avx2LaneIndex& lanes) {
+  const float* values = per_group + block.first_step;
+  if (block.groups == AVX2_LANES) return _mm256_loadu_ps(values);
+  return _mm256_permutevar8x32_ps(_mm256_maskload_ps(values, lanes.mask), lanes.index);
 }
 
-// Output j's 32 weights of one group (step_codes: the group's codes of the whole block).
-inline void decode_group(const uint8_t* step_codes, bool nibbles, int j, float scale,
-                         float offset, __m256 (&w)[4]) {
-  const __m256 s = _mm256_set1_ps(nibbles ? 8.0f * scale : scale);
-  const __m256 o = _mm256_set1_ps(std::fma(128.0f, scale, offset));
-  for (int c = 0; c < 4; ++c) {
-    __m256i v;
-    if (nibbles) {
-      v = bytes8(step_codes + (j / 2) * GROUP + 8 * c);
-      v = j % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
-    } else {
-      v = bytes8(step_codes + j * GROUP + 8 * c);
-    }
-    w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, o);
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Rows in int16 (avx2_source_index order), each row's power of two a, and its lanes'
+// sums of q per super-block.
+struct QuantizedRows {
+  std::vector<int16_t> q;        // [M, K]
+  std::vector<float> scale;      // [M]: a
+  std::vector<float> lane_sums;  // [M, super-blocks, 8]
+};
+
+// The AVX2 packed order in units of two inputs (a vpmaddwd pair): unit u of a packed
+// row holds inputs 2 * source[u] and 2 * source[u] + 1. One table per layer width.
+const std::vector<int32_t>& packed_pair_sources(int64_t K) {
+  static std::mutex lock;
+  static std::map<int64_t, std::vector<int32_t>> tables;
+  const std::lock_guard<std::mutex> guard(lock);
+  auto found = tables.find(K);
+  if (found == tables.end()) {
+    const std::vector<int64_t> sources = packed_sources(K / GROUP);
+    std::vector<int32_t> pairs(K / 2);
+    for (int64_t unit = 0; unit < K / 2; ++unit)
+      pairs[unit] = static_cast<int32_t>(sources[2 * unit] / 2);
+    found = tables.emplace(K, std::move(pairs)).first;
   }
+  return found->second;
 }
 
-// RM rows (x float32 [RM, K]) x one block's BLOCK_N outputs: one output at a time, its
-// decoded group shared by the rows (RM = 1: the outputs two at a time instead).
-template <int RM>
-void dot_block_avx2(const float* x, int64_t K, const uint8_t* codes, bool nibbles,
+QuantizedRows quantize_rows(const uint16_t* x, int64_t M, int64_t K,
+                            const std::vector<SuperBlock>& blocks) {
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  const std::vector<int32_t>& pair_sources = packed_pair_sources(K);
+  QuantizedRows rows{std::vector<int16_t>(M * K), std::vector<float>(M),
+                     std::vector<float>(M * count * AVX2_LANES)};
+  std::vector<int16_t> natural(K);  // a row's q in input order
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = x + m * K;
+    __m256 largest8 = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t k = 0; k < K; k += 8)  // K is a multiple of 32
+      largest8 = _mm256_max_ps(largest8, _mm256_and_ps(magnitude, bf16x8(row + k)));
+    alignas(32) float lanes[AVX2_LANES];
+    _mm256_store_ps(lanes, largest8);
+    const float largest = *std::max_element(lanes, lanes + AVX2_LANES);
+    int exponent = 0;
+    std::frexp(largest, &exponent);  // largest < 2^exponent
+    exponent = std::max(exponent, -110);  // 2^(15 - exponent) stays a float
+    const __m256 inverse = _mm256_set1_ps(std::ldexp(1.0f, 15 - exponent));
+    rows.scale[m] = std::ldexp(1.0f, exponent - 15);
+    // Round to nearest, ties to even (the default rounding mode), into int16 (|q| < 2^15).
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(bf16x8(row + k), inverse));
+      const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(bf16x8(row + k + 8), inverse));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(natural.data() + k),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8));
+    }
+    int32_t* q = reinterpret_cast<int32_t*>(rows.q.data() + m * K);
+    const int32_t* natural_pairs = reinterpret_cast<const int32_t*>(natural.data());
+    for (int64_t unit = 0; unit < K / 2; ++unit) q[unit] = natural_pairs[pair_sources[unit]];
+    // Lane l of a step sums the step's pair l: what vpmaddwd with ones gives.
+    const int16_t* packed = rows.q.data() + m * K;
+    for (int64_t b = 0; b < count; ++b) {
+      __m256i sums = _mm256_setzero_si256();
+      for (int64_t k = blocks[b].first_step * GROUP;
+           k < (blocks[b].first_step + blocks[b].groups) * GROUP; k += 16)
+        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + k)), ones));
+      _mm256_storeu_ps(rows.lane_sums.data() + (m * count + b) * AVX2_LANES,
+                       _mm256_cvtepi32_ps(sums));
+    }
+  }
+  return rows;
+}
+
+// Output j's 16 codes of an int16 step as int16 (step_codes: the group slot's codes of
+// the whole block; half: which 16 of its 32 positions).
+template <bool NIBBLES>
+inline __m256i codes16(const uint8_t* step_codes, int j, int half) {
+  if (!NIBBLES)
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(step_codes + j * GROUP + 16 * half)));
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(step_codes + (j / 2) * GROUP + 16 * half)));
+  return j % 2 ? _mm256_srli_epi16(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+}
+
+// RM rows x one block's BLOCK_N outputs, OUTPUTS at a time; out[i * BLOCK_N + j] before
+// the rows' scales a.
+template <int RM, bool NIBBLES>
+void dot_block_avx2(const int16_t* q, const float* lane_sums, int64_t K,
+                    const std::vector<SuperBlock>& blocks,
+                    const std::vector<Avx2LaneIndex>& lanes, const uint8_t* codes,
                     const float* scales, const float* offsets, float* out) {
   const int64_t groups = K / GROUP;
-  const int64_t step_bytes = (nibbles ? BLOCK_N / 2 : BLOCK_N) * GROUP;
-  constexpr int OUTPUTS = RM == 1 ? 2 : 1;  // sums in flight: 2 * RM * OUTPUTS
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  constexpr int64_t step_bytes = (NIBBLES ? BLOCK_N / 2 : BLOCK_N) * GROUP;
+  constexpr int OUTPUTS = RM == 1 ? 4 : RM == 2 ? 2 : 1;  // 2 * RM * OUTPUTS sums
+  const __m256 code_scale = _mm256_set1_ps(NIBBLES ? 8.0f : 1.0f);
   for (int j0 = 0; j0 < BLOCK_N; j0 += OUTPUTS) {
-    __m256 low[RM][OUTPUTS], high[RM][OUTPUTS];
+    __m256 acc[RM][OUTPUTS];
     for (int i = 0; i < RM; ++i)
-      for (int t = 0; t < OUTPUTS; ++t) low[i][t] = high[i][t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* step_codes = codes + g * step_bytes;
-      if (j0 == 0) prefetch_step(step_codes, step_bytes);
+      for (int t = 0; t < OUTPUTS; ++t) acc[i][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < count; ++b) {
+      __m256i part[RM][OUTPUTS];
+      for (int i = 0; i < RM; ++i)
+        for (int t = 0; t < OUTPUTS; ++t) part[i][t] = _mm256_setzero_si256();
+      const int64_t end = blocks[b].first_step + blocks[b].groups;
+      for (int64_t slot = blocks[b].first_step; slot < end; ++slot) {
+        const uint8_t* step_codes = codes + slot * step_bytes;
+        if (j0 == 0)
+          for (int64_t line = 0; line < step_bytes; line += 64)
+            __builtin_prefetch(step_codes + PREFETCH_BYTES + line, 0, 3);
+        for (int half = 0; half < 2; ++half)
+          for (int t = 0; t < OUTPUTS; ++t) {
+            const __m256i w = codes16<NIBBLES>(step_codes, j0 + t, half);
+            for (int i = 0; i < RM; ++i) {
+              const __m256i xv = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(q + i * K + slot * GROUP + 16 * half));
+              part[i][t] = _mm256_add_epi32(part[i][t], _mm256_madd_epi16(xv, w));
+            }
+          }
+      }
       for (int t = 0; t < OUTPUTS; ++t) {
         const int j = j0 + t;
-        __m256 w[4];
-        decode_group(step_codes, nibbles, j, scales[j * groups + g], offsets[j * groups + g], w);
+        const __m256 s = lane_values8(scales + j * groups, blocks[b], lanes[b]);
+        const __m256 o = _mm256_fmadd_ps(
+            _mm256_set1_ps(128.0f), s, lane_values8(offsets + j * groups, blocks[b], lanes[b]));
+        const __m256 code_s = _mm256_mul_ps(s, code_scale);
         for (int i = 0; i < RM; ++i) {
-          const float* xg = x + i * K + g * GROUP;
-          low[i][t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), low[i][t]);
-          high[i][t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), high[i][t]);
-          low[i][t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), low[i][t]);
-          high[i][t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), high[i][t]);
+          acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[i][t]), code_s, acc[i][t]);
+          acc[i][t] = _mm256_fmadd_ps(
+              o, _mm256_loadu_ps(lane_sums + (i * count + b) * AVX2_LANES), acc[i][t]);
         }
       }
     }
     for (int i = 0; i < RM; ++i)
-      for (int t = 0; t < OUTPUTS; ++t)
-        out[i * BLOCK_N + j0 + t] = sum8(_mm256_add_ps(low[i][t], high[i][t]));
+      for (int t = 0; t < OUTPUTS; ++t) out[i * BLOCK_N + j0 + t] = sum8(acc[i][t]);
+  }
+}
+
+template <bool NIBBLES>
+void dot_pass_avx2(int64_t rows, const int16_t* q, const float* lane_sums, int64_t K,
+                   const std::vector<SuperBlock>& blocks, const std::vector<Avx2LaneIndex>& lanes,
+                   const uint8_t* codes, const float* scales, const float* offsets, float* out) {
+  switch (rows) {
+    case 4: dot_block_avx2<4, NIBBLES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
+    case 3: dot_block_avx2<3, NIBBLES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
+    case 2: dot_block_avx2<2, NIBBLES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
+    default: dot_block_avx2<1, NIBBLES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
   }
 }
 
@@ -408,8 +546,20 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales, const at::Tensor& offsets,
                             const float* bias, bool nibbles, at::Tensor out) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), groups = K / GROUP;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  const auto blocks = super_blocks(groups, AVX2_LANES);
+  const int64_t count = static_cast<int64_t>(blocks.size());
+  std::vector<Avx2LaneIndex> lanes;
+  for (const SuperBlock& block : blocks) {
+    alignas(32) int32_t mask[AVX2_LANES], index[AVX2_LANES];
+    for (int64_t lane = 0; lane < AVX2_LANES; ++lane) {
+      mask[lane] = lane < block.groups ? -1 : 0;
+      index[lane] = static_cast<int32_t>(lane / (AVX2_LANES / block.groups));
+    }
+    lanes.push_back({_mm256_load_si256(reinterpret_cast<const __m256i*>(mask)),
+                     _mm256_load_si256(reinterpret_cast<const __m256i*>(index))});
+  }
+  const QuantizedRows rows = quantize_rows(
+      reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, blocks);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
@@ -423,16 +573,16 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
       const uint8_t* block = cp + nb * block_bytes;
       const float* bs = sp + n0 * groups;
       const float* bo = op + n0 * groups;
-      for_each_pass(M, AVX2_BLOCK_M, [&](int64_t m0, int64_t rows) {
-        const float* xr = xp + m0 * K;
-        switch (rows) {
-          case 5: dot_block_avx2<5>(xr, K, block, nibbles, bs, bo, dots); break;
-          case 4: dot_block_avx2<4>(xr, K, block, nibbles, bs, bo, dots); break;
-          case 3: dot_block_avx2<3>(xr, K, block, nibbles, bs, bo, dots); break;
-          case 2: dot_block_avx2<2>(xr, K, block, nibbles, bs, bo, dots); break;
-          default: dot_block_avx2<1>(xr, K, block, nibbles, bs, bo, dots); break;
-        }
-        store_dots(dots, rows, bias, m0, n0, N, yp);
+      for_each_pass(M, AVX2_BLOCK_M, [&](int64_t m0, int64_t rows_in_pass) {
+        const int16_t* q = rows.q.data() + m0 * K;
+        const float* sums = rows.lane_sums.data() + m0 * count * AVX2_LANES;
+        if (nibbles)
+          dot_pass_avx2<true>(rows_in_pass, q, sums, K, blocks, lanes, block, bs, bo, dots);
+        else
+          dot_pass_avx2<false>(rows_in_pass, q, sums, K, blocks, lanes, block, bs, bo, dots);
+        for (int64_t i = 0; i < rows_in_pass; ++i)
+          for (int64_t j = 0; j < BLOCK_N; ++j) dots[i * BLOCK_N + j] *= rows.scale[m0 + i];
+        store_dots(dots, rows_in_pass, bias, m0, n0, N, yp);
       });
     }
   });
@@ -481,7 +631,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
   }
 #ifdef SPECDEC_AVX2
   return int8_linear_avx2(x, codes, scales, offsets, bp, nibbles, out).view(out_sizes);
-#endif
+#else
   const auto blocks = super_blocks(groups);
   const int64_t count = static_cast<int64_t>(blocks.size());
 #ifdef SPECDEC_AVX512BF16
@@ -497,13 +647,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
 #endif
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   // Each row in packed order, and its inputs' sum per lane of every super-block.
-  std::vector<int32_t> source(K);
-  for (const SuperBlock& block : blocks)
-    for (int64_t step = block.first_step; step < block.first_step + block.groups; ++step)
-      for (int64_t lane = 0; lane < LANES; ++lane)
-        for (int64_t pair = 0; pair < 2; ++pair)
-          source[step * GROUP + 2 * lane + pair] =
-              static_cast<int32_t>(source_index(block, step, lane, pair));
+  const std::vector<int64_t> source = packed_sources(groups);
   std::vector<uint16_t> packed_x(M * K);
   std::vector<float> lane_sums(M * count * LANES);
   for (int64_t m = 0; m < M; ++m) {
@@ -555,6 +699,7 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& codes,
     }
   });
   return out.view(out_sizes);
+#endif
 }
 
 }  // namespace
