@@ -464,11 +464,16 @@ QuantizedRows quantize_rows(const uint16_t* x, int64_t M, int64_t K,
   return rows;
 }
 
+// How a block's codes are held for the AVX2 path: bytes (int8_pack), nibbles
+// (int8_nibbles), or nibbles' values one to a byte (expand_nibbles: a block's codes decoded
+// once for a forward's several passes of rows).
+enum class Codes { kBytes, kNibbles, kNibbleBytes };
+
 // Output j's 16 codes of an int16 step as int16 (step_codes: the group slot's codes of
 // the whole block; half: which 16 of its 32 positions).
-template <bool NIBBLES>
+template <Codes CODES>
 inline __m256i codes16(const uint8_t* step_codes, int j, int half) {
-  if (!NIBBLES)
+  if (CODES != Codes::kNibbles)
     return _mm256_cvtepu8_epi16(_mm_loadu_si128(
         reinterpret_cast<const __m128i*>(step_codes + j * GROUP + 16 * half)));
   const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(
@@ -476,18 +481,30 @@ inline __m256i codes16(const uint8_t* step_codes, int j, int half) {
   return j % 2 ? _mm256_srli_epi16(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi16(15));
 }
 
+// A block's nibbles (groups slots of BLOCK_N / 2 x GROUP bytes) as one value a byte
+// (slots of BLOCK_N x GROUP bytes, int8_pack's layout).
+inline void expand_nibbles(const uint8_t* nibbles, int64_t groups, uint8_t* bytes) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int64_t pair = 0; pair < groups * (BLOCK_N / 2); ++pair) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + pair * GROUP));
+    __m256i* out = reinterpret_cast<__m256i*>(bytes + 2 * pair * GROUP);
+    _mm256_storeu_si256(out, _mm256_and_si256(packed, low));
+    _mm256_storeu_si256(out + 1, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
+  }
+}
+
 // RM rows x one block's BLOCK_N outputs, OUTPUTS at a time; out[i * BLOCK_N + j] before
 // the rows' scales a.
-template <int RM, bool NIBBLES>
+template <int RM, Codes CODES>
 void dot_block_avx2(const int16_t* q, const float* lane_sums, int64_t K,
                     const std::vector<SuperBlock>& blocks,
                     const std::vector<Avx2LaneIndex>& lanes, const uint8_t* codes,
                     const float* scales, const float* offsets, float* out) {
   const int64_t groups = K / GROUP;
   const int64_t count = static_cast<int64_t>(blocks.size());
-  constexpr int64_t step_bytes = (NIBBLES ? BLOCK_N / 2 : BLOCK_N) * GROUP;
+  constexpr int64_t step_bytes = (CODES == Codes::kNibbles ? BLOCK_N / 2 : BLOCK_N) * GROUP;
   constexpr int OUTPUTS = RM == 1 ? 4 : RM == 2 ? 2 : 1;  // 2 * RM * OUTPUTS sums
-  const __m256 code_scale = _mm256_set1_ps(NIBBLES ? 8.0f : 1.0f);
+  const __m256 code_scale = _mm256_set1_ps(CODES == Codes::kBytes ? 1.0f : 8.0f);
   for (int j0 = 0; j0 < BLOCK_N; j0 += OUTPUTS) {
     __m256 acc[RM][OUTPUTS];
     for (int i = 0; i < RM; ++i)
@@ -504,7 +521,7 @@ void dot_block_avx2(const int16_t* q, const float* lane_sums, int64_t K,
             __builtin_prefetch(step_codes + PREFETCH_BYTES + line, 0, 3);
         for (int half = 0; half < 2; ++half)
           for (int t = 0; t < OUTPUTS; ++t) {
-            const __m256i w = codes16<NIBBLES>(step_codes, j0 + t, half);
+            const __m256i w = codes16<CODES>(step_codes, j0 + t, half);
             for (int i = 0; i < RM; ++i) {
               const __m256i xv = _mm256_loadu_si256(
                   reinterpret_cast<const __m256i*>(q + i * K + slot * GROUP + 16 * half));
@@ -530,15 +547,15 @@ void dot_block_avx2(const int16_t* q, const float* lane_sums, int64_t K,
   }
 }
 
-template <bool NIBBLES>
+template <Codes CODES>
 void dot_pass_avx2(int64_t rows, const int16_t* q, const float* lane_sums, int64_t K,
                    const std::vector<SuperBlock>& blocks, const std::vector<Avx2LaneIndex>& lanes,
                    const uint8_t* codes, const float* scales, const float* offsets, float* out) {
   switch (rows) {
-    case 4: dot_block_avx2<4, NIBBLES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
-    case 3: dot_block_avx2<3, NIBBLES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
-    case 2: dot_block_avx2<2, NIBBLES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
-    default: dot_block_avx2<1, NIBBLES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
+    case 4: dot_block_avx2<4, CODES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
+    case 3: dot_block_avx2<3, CODES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
+    case 2: dot_block_avx2<2, CODES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
+    default: dot_block_avx2<1, CODES>(q, lane_sums, K, blocks, lanes, codes, scales, offsets, out); break;
   }
 }
 
@@ -568,18 +585,27 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
   const int64_t grain = task_blocks(N / BLOCK_N, block_bytes);
   at::parallel_for(0, N / BLOCK_N, grain, [&](int64_t begin, int64_t end) {
     float dots[AVX2_BLOCK_M * BLOCK_N];
+    // Several rows: nibbles are decoded once per block, not once per pass and output.
+    const bool expand = nibbles && M > 1;
+    std::vector<uint8_t> expanded(expand ? 2 * block_bytes : 0);
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n0 = nb * BLOCK_N;
       const uint8_t* block = cp + nb * block_bytes;
+      if (expand) expand_nibbles(block, groups, expanded.data());
       const float* bs = sp + n0 * groups;
       const float* bo = op + n0 * groups;
       for_each_pass(M, AVX2_BLOCK_M, [&](int64_t m0, int64_t rows_in_pass) {
         const int16_t* q = rows.q.data() + m0 * K;
         const float* sums = rows.lane_sums.data() + m0 * count * AVX2_LANES;
-        if (nibbles)
-          dot_pass_avx2<true>(rows_in_pass, q, sums, K, blocks, lanes, block, bs, bo, dots);
+        if (expand)
+          dot_pass_avx2<Codes::kNibbleBytes>(rows_in_pass, q, sums, K, blocks, lanes,
+                                             expanded.data(), bs, bo, dots);
+        else if (nibbles)
+          dot_pass_avx2<Codes::kNibbles>(rows_in_pass, q, sums, K, blocks, lanes, block, bs, bo,
+                                         dots);
         else
-          dot_pass_avx2<false>(rows_in_pass, q, sums, K, blocks, lanes, block, bs, bo, dots);
+          dot_pass_avx2<Codes::kBytes>(rows_in_pass, q, sums, K, blocks, lanes, block, bs, bo,
+                                       dots);
         for (int64_t i = 0; i < rows_in_pass; ++i)
           for (int64_t j = 0; j < BLOCK_N; ++j) dots[i * BLOCK_N + j] *= rows.scale[m0 + i];
         store_dots(dots, rows_in_pass, bias, m0, n0, N, yp);
