@@ -7,6 +7,9 @@ conversations, teacher-forced:
   token is the bfloat16 target's greedy token (the share of greedy tokens unchanged);
 - perplexity of each model on the answers, and its ratio to bfloat16's.
 Both models use the cpu-tuned backend's kernels, as the services run them.
+`--simulate-int8-inputs` instead runs the compared model's int8 weights in float32 on
+inputs rounded to 8 bits with a scale per 32 (llama.cpp's Q8 products), to measure what
+8-bit activations would cost without a kernel for them.
 
     .venv/bin/python scripts/measure_int8_quality.py --prompts 32 --max-new-tokens 64
 """
@@ -27,7 +30,11 @@ def main() -> None:
     parser.add_argument("--target-model", default="smollm2-135m-instruct")
     parser.add_argument("--compare", default="int8",
                         help="the --dtype compared with bfloat16 (int8, float32, ...)")
+    parser.add_argument("--simulate-int8-inputs", action="store_true",
+                        help="int8 weights in float32 on inputs rounded to 8 bits per 32")
     args = parser.parse_args()
+    if args.simulate_int8_inputs:
+        simulate_int8_inputs()
 
     from specdec.draft_training.heldout import held_out_chat
     from specdec.engine.backends.cpu import load_causal_lm
@@ -76,6 +83,40 @@ def main() -> None:
     for name, value in perplexity.items():
         print(f"perplexity {name}: {value:.4f} "
               f"({value / perplexity['bfloat16'] - 1:+.2%} against bfloat16)")
+
+
+class Int8InputsLinear(torch.nn.Module):
+    """A linear layer on the int8 format's weights (float32) whose inputs are rounded to
+    8 bits, symmetric, with a scale per 32 (a simulation, not a kernel)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        from specdec.engine import int8
+        self.weight = int8.dequantize(*int8.quantize(linear.weight))
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+        scale = blocks.abs().amax(-1, keepdim=True) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        rounded = ((blocks / scale).round().clamp(-127, 127) * scale).reshape(x.shape)
+        return torch.nn.functional.linear(rounded, self.weight, self.bias).to(x.dtype)
+
+
+def simulate_int8_inputs() -> None:
+    """Make --dtype int8's loader put Int8InputsLinear where it would put Int8Linear."""
+    from specdec.engine import int8
+
+    def replace(model: torch.nn.Module) -> int:
+        replaced = 0
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear) and int8.supports(child):
+                    setattr(parent, name, Int8InputsLinear(child))
+                    replaced += 1
+        return replaced
+
+    int8.quantize_linears = replace
 
 
 if __name__ == "__main__":
