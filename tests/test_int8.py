@@ -152,6 +152,17 @@ def test_rows_of_any_magnitude_and_outliers_keep_their_accuracy() -> None:
                                    atol=2e-2 * expected.abs().max().item(), msg=f"row {row}")
 
 
+def test_a_row_holding_an_infinity_or_a_nan_gives_no_finite_output_and_leaves_the_others(
+        ) -> None:
+    quantized = int8.Int8Linear(_layer(96, 8))
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    clean = quantized(x)
+    x[1, 5], x[2, 9] = float("inf"), float("nan")
+    got = quantized(x)
+    assert not bool(got[1:3].isfinite().any())
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[3], clean[3])
+
+
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 192), (1536, 64), (96, 8)])
 def test_a_row_gets_the_same_bits_whatever_shares_its_forward(in_features: int,
                                                                out_features: int) -> None:

@@ -358,13 +358,14 @@ void dot_block(const uint16_t* x, const float* x_lane_sums, int64_t K,
 // AVX2 (no bfloat16 dot products): integer products. Each row enters as 16-bit integers
 // q = x / a, a = 2^(e - 15) for the power of two 2^e just above the row's largest |x|:
 // every bfloat16 input within 2^7 of that largest is held exactly, smaller ones to
-// a / 2 (a is at least 2^-125, so a float; rows below 2^-110 hold less). vpmaddwd multiplies 16 inputs by their codes and adds pairs into 8 int32 lanes,
-// lane l summing group first + l / (8 / n) of a super-block of n <= 8 groups
-// (avx2_source_index), exactly. Per super-block each lane's sum enters a float32 sum as
-// sum * scale + offset' * (the lane's sum of q), offset' = offset + 128 * scale (the codes
-// enter as c, not 128 + c); the result is that sum's lanes in a fixed tree, times a.
-// Nibbles enter as c / 8 with 8 * scale: the same bits. The order depends on the layer's
-// width alone, so a row's result never depends on the other rows: row-invariant.
+// a / 2 (a is at least 2^-125, so a float; rows below 2^-110 hold less). vpmaddwd
+// multiplies 16 inputs by their codes and adds pairs into 8 int32 lanes, lane l summing
+// group first + l / (8 / n) of a super-block of n <= 8 groups (avx2_source_index),
+// exactly. Per super-block each lane's sum enters a float32 sum as sum * scale + offset'
+// * (the lane's sum of q), offset' = offset + 128 * scale (the codes enter as c, not
+// 128 + c); the result is that sum's lanes in a fixed tree, times a. Nibbles enter as
+// c / 8 with 8 * scale: the same bits. The order depends on the layer's width alone, so
+// a row's result never depends on the other rows: row-invariant.
 constexpr int64_t AVX2_BLOCK_M = 4;  // rows sharing a pass (a k = 3 verification in one)
 
 inline float sum8(__m256 v) {  // ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
@@ -427,18 +428,23 @@ QuantizedRows quantize_rows(const uint16_t* x, int64_t M, int64_t K,
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* row = x + m * K;
-    __m256 largest8 = _mm256_setzero_ps();
+    __m256 largest8 = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t k = 0; k < K; k += 8)  // K is a multiple of 32
-      largest8 = _mm256_max_ps(largest8, _mm256_and_ps(magnitude, bf16x8(row + k)));
+    for (int64_t k = 0; k < K; k += 8) {  // K is a multiple of 32
+      const __m256 v = bf16x8(row + k);
+      largest8 = _mm256_max_ps(largest8, _mm256_and_ps(magnitude, v));
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
     alignas(32) float lanes[AVX2_LANES];
     _mm256_store_ps(lanes, largest8);
     const float largest = *std::max_element(lanes, lanes + AVX2_LANES);
     int exponent = 0;
-    std::frexp(largest, &exponent);  // largest < 2^exponent
+    std::frexp(std::isfinite(largest) ? largest : 1.0f, &exponent);  // largest < 2^exponent
     exponent = std::max(exponent, -110);  // 2^(15 - exponent) stays a float
     const __m256 inverse = _mm256_set1_ps(std::ldexp(1.0f, 15 - exponent));
-    rows.scale[m] = std::ldexp(1.0f, exponent - 15);
+    // A row holding an infinity or a NaN gives NaN outputs (bfloat16 products: no finite ones).
+    const bool finite = std::isfinite(largest) && _mm256_movemask_ps(unordered) == 0;
+    rows.scale[m] = finite ? std::ldexp(1.0f, exponent - 15) : std::nanf("");
     // Round to nearest, ties to even (the default rounding mode), into int16 (|q| < 2^15).
     for (int64_t k = 0; k < K; k += 16) {
       const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(bf16x8(row + k), inverse));
@@ -486,7 +492,8 @@ inline __m256i codes16(const uint8_t* step_codes, int j, int half) {
 inline void expand_nibbles(const uint8_t* nibbles, int64_t groups, uint8_t* bytes) {
   const __m256i low = _mm256_set1_epi8(15);
   for (int64_t pair = 0; pair < groups * (BLOCK_N / 2); ++pair) {
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + pair * GROUP));
+    const __m256i packed =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + pair * GROUP));
     __m256i* out = reinterpret_cast<__m256i*>(bytes + 2 * pair * GROUP);
     _mm256_storeu_si256(out, _mm256_and_si256(packed, low));
     _mm256_storeu_si256(out + 1, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
