@@ -108,13 +108,7 @@ def simulate_int8_inputs() -> None:
     from specdec.engine import int8
 
     def replace(model: torch.nn.Module) -> int:
-        replaced = 0
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, torch.nn.Linear) and int8.supports(child):
-                    setattr(parent, name, Int8InputsLinear(child))
-                    replaced += 1
-        return replaced
+        return len(int8.replace_linears(model, Int8InputsLinear))
 
     int8.quantize_linears = replace
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -45,6 +47,7 @@ from torch import nn
 from specdec.engine.cpu_operators import build, failure_summary, kernel_cache_dir
 
 log = logging.getLogger(__name__)
+Layer = TypeVar("Layer", bound=nn.Module)
 
 GROUP = 32  # inputs per scale and offset
 BLOCK = 4  # outputs the operator computes together: a layer needs a multiple of them
@@ -185,17 +188,24 @@ class Int8Linear(nn.Module):
                 f"bias={self.bias is not None}, {codes}, groups of {GROUP}")
 
 
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], Layer]) -> list[Layer]:
+    """Put make(layer) in place of every nn.Linear of model that the format fits (each
+    module its own, a tied output projection included); returns the new modules."""
+    replaced: list[Layer] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and supports(child):
+                replaced.append(make(child))
+                setattr(parent, name, replaced[-1])
+    return replaced
+
+
 def quantize_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of model that the format fits by an Int8Linear, in place
     (a tied output projection gets its own int8 copy; the embedding stays). Returns how
     many were replaced; the others keep their kernel."""
     load_operator()
-    replaced: list[Int8Linear] = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and supports(child):
-                replaced.append(Int8Linear(child))
-                setattr(parent, name, replaced[-1])
+    replaced = replace_linears(model, Int8Linear)
     fitting = [layer for layer in replaced if nibbles_fit(layer.codes)]
     if fitting and nibbles_faster(max(fitting, key=lambda layer: layer.codes.numel())):
         for layer in fitting:

@@ -401,27 +401,44 @@ struct QuantizedRows {
   std::vector<float> lane_sums;  // [M, super-blocks, 8]
 };
 
-// The AVX2 packed order in units of two inputs (a vpmaddwd pair): unit u of a packed
-// row holds inputs 2 * source[u] and 2 * source[u] + 1. One table per layer width.
-const std::vector<int32_t>& packed_pair_sources(int64_t K) {
+// What the AVX2 path derives from a layer's width, built once per width: its
+// super-blocks, their lanes' groups (lane_values8), and the packed order in units of two
+// inputs (a vpmaddwd pair): unit u of a packed row holds inputs 2 * pair_sources[u] and
+// 2 * pair_sources[u] + 1.
+struct Avx2Layout {
+  std::vector<SuperBlock> blocks;
+  std::vector<Avx2LaneIndex> lanes;
+  std::vector<int32_t> pair_sources;
+};
+
+const Avx2Layout& avx2_layout(int64_t K) {
   static std::mutex lock;
-  static std::map<int64_t, std::vector<int32_t>> tables;
+  static std::map<int64_t, Avx2Layout> layouts;
   const std::lock_guard<std::mutex> guard(lock);
-  auto found = tables.find(K);
-  if (found == tables.end()) {
+  auto found = layouts.find(K);
+  if (found == layouts.end()) {
+    Avx2Layout layout{super_blocks(K / GROUP, AVX2_LANES), {}, std::vector<int32_t>(K / 2)};
+    for (const SuperBlock& block : layout.blocks) {
+      alignas(32) int32_t mask[AVX2_LANES], index[AVX2_LANES];
+      for (int64_t lane = 0; lane < AVX2_LANES; ++lane) {
+        mask[lane] = lane < block.groups ? -1 : 0;
+        index[lane] = static_cast<int32_t>(lane / (AVX2_LANES / block.groups));
+      }
+      layout.lanes.push_back({_mm256_load_si256(reinterpret_cast<const __m256i*>(mask)),
+                              _mm256_load_si256(reinterpret_cast<const __m256i*>(index))});
+    }
     const std::vector<int64_t> sources = packed_sources(K / GROUP);
-    std::vector<int32_t> pairs(K / 2);
     for (int64_t unit = 0; unit < K / 2; ++unit)
-      pairs[unit] = static_cast<int32_t>(sources[2 * unit] / 2);
-    found = tables.emplace(K, std::move(pairs)).first;
+      layout.pair_sources[unit] = static_cast<int32_t>(sources[2 * unit] / 2);
+    found = layouts.emplace(K, std::move(layout)).first;
   }
   return found->second;
 }
 
-QuantizedRows quantize_rows(const uint16_t* x, int64_t M, int64_t K,
-                            const std::vector<SuperBlock>& blocks) {
+QuantizedRows quantize_rows(const uint16_t* x, int64_t M, int64_t K, const Avx2Layout& layout) {
+  const std::vector<SuperBlock>& blocks = layout.blocks;
   const int64_t count = static_cast<int64_t>(blocks.size());
-  const std::vector<int32_t>& pair_sources = packed_pair_sources(K);
+  const std::vector<int32_t>& pair_sources = layout.pair_sources;
   QuantizedRows rows{std::vector<int16_t>(M * K), std::vector<float>(M),
                      std::vector<float>(M * count * AVX2_LANES)};
   std::vector<int16_t> natural(K);  // a row's q in input order
@@ -570,20 +587,12 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales, const at::Tensor& offsets,
                             const float* bias, bool nibbles, at::Tensor out) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), groups = K / GROUP;
-  const auto blocks = super_blocks(groups, AVX2_LANES);
+  const Avx2Layout& layout = avx2_layout(K);
+  const std::vector<SuperBlock>& blocks = layout.blocks;
+  const std::vector<Avx2LaneIndex>& lanes = layout.lanes;
   const int64_t count = static_cast<int64_t>(blocks.size());
-  std::vector<Avx2LaneIndex> lanes;
-  for (const SuperBlock& block : blocks) {
-    alignas(32) int32_t mask[AVX2_LANES], index[AVX2_LANES];
-    for (int64_t lane = 0; lane < AVX2_LANES; ++lane) {
-      mask[lane] = lane < block.groups ? -1 : 0;
-      index[lane] = static_cast<int32_t>(lane / (AVX2_LANES / block.groups));
-    }
-    lanes.push_back({_mm256_load_si256(reinterpret_cast<const __m256i*>(mask)),
-                     _mm256_load_si256(reinterpret_cast<const __m256i*>(index))});
-  }
   const QuantizedRows rows = quantize_rows(
-      reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, blocks);
+      reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, layout);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
