@@ -409,7 +409,8 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
 
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
                draft_probs: torch.Tensor | None, params: SamplingParams,
-               alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
+               alternatives: Alternatives = NO_ALTERNATIVES, decode_steps: int = 1,
+               stop_token_ids: Sequence[int] = ()) -> Verification:
         started = time.perf_counter()
         give_up = time.monotonic() + self.call_timeout_s
         # Whether the request's deadline, not the per-call limit, is what ends the wait.
@@ -432,6 +433,9 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                 sync=wire.sync_to_proto(sync), draft_tokens=draft_tokens,
                 sampling=wire.sampling_to_proto(params),
                 return_hidden_states=committed.target_hidden is not None)
+            if decode_steps > 1 and not draft_tokens and committed.target_hidden is None:
+                request.decode_steps = decode_steps
+                request.stop_token_ids.extend(stop_token_ids)
             if committed.target_hidden is not None:
                 spec = committed.target_hidden.spec
                 request.hidden_layers.extend(spec.layers)
@@ -468,7 +472,13 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                     sync = mirror.plan(session_id, committed)
                     continue
                 raise from_rpc_error(error, f"target {self.endpoint}") from None
-        mirror.record(committed, draft_tokens)
+        decoded = tuple(response.decoded_tokens)
+        if len(decoded) >= max(1, request.decode_steps):
+            raise ServiceUnavailable(f"target {self.endpoint} decoded {len(decoded) + 1} tokens "
+                                     f"where {max(1, request.decode_steps)} were asked")
+        # The target fed every token it drew but the last (draft tokens: all of them).
+        mirror.record(committed, [response.next_token, *decoded][:-1] if decoded
+                      else draft_tokens)
         kept_branches = tuple(response.kept_alternatives)
         if any(index >= len(alternatives) for index in kept_branches):
             raise ServiceUnavailable(
@@ -488,7 +498,7 @@ class GrpcVerifier(_RoutedClient[target_pb2_grpc.TargetStub]):
                             time.perf_counter() - started, response.forward_seconds, resyncs,
                             request.ByteSize() + response.ByteSize(), hidden,
                             sync.committed_position, kept_branches, branch_tokens,
-                            forward_batch(response.batch))
+                            forward_batch(response.batch), decoded)
 
     def _probs_message(self, session_id: str, draft_tokens: list[int],
                        draft_probs: torch.Tensor | None,

@@ -32,7 +32,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     return CoordinatorSettings(
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
         draft_confidence=args.draft_confidence, num_alternatives=args.draft_alternatives,
-        prompt_lookup_tokens=args.prompt_lookup_tokens,
+        prompt_lookup_tokens=args.prompt_lookup_tokens, decode_steps=args.decode_steps,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_prompt_tokens=getattr(args, "max_prompt_tokens", 0),

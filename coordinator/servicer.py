@@ -63,7 +63,7 @@ from specdec.core.speculation_gate import SpeculationGate
 from specdec.core.suffix_cache import SuffixCache
 from specdec.core.suffix_proposer import SuffixProposer
 from specdec.engine.shapes import DECODE_ROWS
-from specdec.engine.steps import DEFAULT_ALTERNATIVES
+from specdec.engine.steps import DEFAULT_ALTERNATIVES, MAX_DECODE_STEPS
 from specdec.errors import SpecdecError
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.serving.discovery import ReplicaSet
@@ -88,6 +88,7 @@ class CoordinatorSettings:
     prompt_lookup_tokens: int = DEFAULT_LOOKUP_TOKENS  # requests without their own; 0 = off
     prompt_lookup_min: int = DEFAULT_MIN_NGRAM
     prompt_lookup_max: int = DEFAULT_MAX_NGRAM
+    decode_steps: int = default("decode-steps")  # most tokens a Verify decodes undrafted
     max_draft_tokens: int = default("max-draft-tokens")
     max_new_tokens_limit: int = default("max-new-tokens-limit")
     draft_timeout_s: float = default("draft-timeout-ms") / 1000  # per Propose; slower: unavailable
@@ -106,6 +107,11 @@ class CoordinatorSettings:
     suffix_max_spec_factor: float = default("suffix-max-spec-factor")
     suffix_min_token_prob: float = default("suffix-min-token-prob")
     suffix_share_tenants: bool = default("suffix-share-tenants") == "on"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"--decode-steps (SPECDEC_DECODE_STEPS) must be 1 to "
+                             f"{MAX_DECODE_STEPS}, got {self.decode_steps}")
 
 
 class Cancelled(Exception):
@@ -361,7 +367,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                                 suffix=suffix,
                                 suffix_calibration=self.costs.suffix_calibration.get(kind),
                                 eos_token_ids=self.target.eos_token_ids, stop=valid.stop,
-                                session_id=session_id)
+                                session_id=session_id,
+                                max_decode_steps=self.settings.decode_steps)
         loop_drafter: Drafter | None = drafter
         loop_verifier: Verifier = verifier
         if observed is not None:  # round spans must be current while their calls run

@@ -193,6 +193,13 @@ _ALL = (
             "adaptive requests verify a token tree: up to this many alternatives beside the "
             "draft's chain each round, where the draft is least sure of it (0 = a chain; a "
             "request may set its own)", SPECULATION, type=int),
+    # One forward per token either way; more steps save more round trips but stream
+    # in larger pieces and skip prompt-lookup chances between them.
+    Setting("decode-steps", 8,
+            "coordinator: a round without a proposal has the target decode up to this many "
+            "tokens in one Verify while the length policy drafts nothing (target-only "
+            "requests; adaptive ones while the draft does not pay): the same tokens, without "
+            "a round trip per token (1 = one token per Verify)", SPECULATION, type=int),
     Setting("prompt-lookup-tokens", 6,
             "speculative requests first look the last few tokens up in the text so far and "
             "propose up to this many of the tokens that followed them, without a draft "
@@ -344,7 +351,7 @@ MODEL_SETTINGS = ("target-model", "draft-model", "device", "dtype", "backend", "
                   "draft-linear-kernel", "draft-compile", "fused-step")
 # Accepted by every role, so `specdec up` can pass one set to all three.
 SERVICE_SETTINGS = (*MODEL_SETTINGS, "session-ttl-s", "max-workers", "max-draft-tokens",
-                    "num-draft-tokens", "draft-confidence",
+                    "num-draft-tokens", "draft-confidence", "decode-steps",
                     "draft-alternatives", "prompt-lookup-tokens", "prompt-lookup-min",
                     "prompt-lookup-max", "suffix-max-tokens", "suffix-max-tree-depth",
                     "suffix-prompt-tokens", "suffix-max-cached-requests", "suffix-cache-mb",

@@ -10,7 +10,7 @@ import torch
 
 from specdec.engine.runner import ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
-from specdec.engine.steps import VerifyJob, VerifyOutput
+from specdec.engine.steps import MAX_DECODE_STEPS, VerifyJob, VerifyOutput
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving import wire
@@ -61,6 +61,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise InvalidRequest(f"alternatives holds {len(alternatives)} tokens, more than "
                                  f"{DECODE_ROWS}")
         hidden_dtype = wire.hidden_dtype(request.hidden_dtype)
+        if request.decode_steps > MAX_DECODE_STEPS:
+            raise InvalidRequest(f"decode_steps is {request.decode_steps}, more than "
+                                 f"{MAX_DECODE_STEPS}")
+        stop_token_ids = tuple(request.stop_token_ids)
+        wire.check_token_ids(stop_token_ids, vocab, "stop_token_ids")
 
         def make_job() -> VerifyJob:
             # Tensor work stays on the model's thread (see BatchScheduler.submit).
@@ -74,7 +79,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 if bool((drawn <= 0).any()):  # a token cannot come from a row excluding it
                     raise InvalidRequest("draft_probs gives probability 0 to a draft token")
             return VerifyJob(sync, draft_tokens, probs, params, request.return_hidden_states,
-                             alternatives, tuple(request.hidden_layers))
+                             alternatives, tuple(request.hidden_layers),
+                             request.decode_steps, stop_token_ids)
 
         def finish(job: VerifyJob) -> tuple[VerifyOutput, common_pb2.HiddenStates | None]:
             out = job.output()
@@ -92,6 +98,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             kv_length=out.kv_length, forward_seconds=out.forward_s,
             batch=batch.to_proto())
         response.kept_alternatives.extend(out.verdict.branch_path)
+        response.decoded_tokens.extend(out.decoded)
         if hidden is not None:
             response.hidden_states.CopyFrom(hidden)
         return response

@@ -124,6 +124,7 @@ class _PendingRound(NamedTuple):
     verify_s: float
     other_rows: int  # the other sessions' rows in its forward
     drafted: bool  # False: a model-free proposal (CostModel.observe_undrafted)
+    steps: int = 1  # target forwards one after another (a round that decoded several)
 
 
 class AdaptiveLength:
@@ -151,6 +152,7 @@ class AdaptiveLength:
         self.probe_every = probe_every
         self._probe_interval = probe_every
         self._idle_rounds = 0  # consecutive rounds at k = 0
+        self._undrafted_ahead = 1  # this round: rounds until the policy may draft again
         self._clock = clock
         self.successes = 0.0  # discounted accepted proposals
         self.failures = 0.0  # discounted rejections (rounds that stopped early)
@@ -315,9 +317,10 @@ class AdaptiveLength:
             last = self._last  # now that its wall is known
             # The per-k costs are the session's own: what the others' rows added to its
             # forward is taken out (and added back for the load of each round chosen).
+            # A round that decoded several tokens is costed as that many rounds of one.
             shared = self.costs.per_row_seconds() * last.other_rows
-            verify_s = max(0.0, last.verify_s - shared)
-            round_s = max(0.0, now - self._round_started - shared)
+            verify_s = max(0.0, last.verify_s / last.steps - shared)
+            round_s = max(0.0, (now - self._round_started) / last.steps - shared)
             if last.drafted:
                 self.costs.observe(last.k, last.draft_s, verify_s, round_s)
             else:
@@ -325,6 +328,7 @@ class AdaptiveLength:
         self._last = None
         self._round_started = now
         self._running_at_call = self.running() if self.running is not None else 0
+        self._undrafted_ahead = 1
         self._choice = self._choose()
         self.gated_off = False
         if self.gate is not None:
@@ -332,6 +336,7 @@ class AdaptiveLength:
             if self.gate_arm < Arm.DRAFT:
                 self.gated_off = self._choice > 0
                 self._choice = 0
+                self._undrafted_ahead = 1  # the gate's epochs are timed in rounds of one
         if self.rounds > 0:
             self._note_load_limit(self._choice)
         return self._choice
@@ -377,13 +382,22 @@ class AdaptiveLength:
                 return best_drafting
         self._idle_rounds += 1
         if self._idle_rounds < self._probe_interval:
+            self._undrafted_ahead = self._probe_interval - self._idle_rounds
             return 0
         self._idle_rounds = 0  # probe; back off further if it fails again
         self._probe_interval = min(64, 2 * self._probe_interval)
         return best_drafting
 
+    def undrafted_rounds(self) -> int:
+        """Rounds from this one on that draft nothing as the policy stands: while the
+        draft does not pay, until its next probe; else 1 (asked after next_length)."""
+        return self._undrafted_ahead
+
     def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,
                 verification: Verification) -> None:
+        if verification.steps > 1:  # each decoded token stood for an idle round
+            self._idle_rounds = min(self._idle_rounds + verification.steps - 1,
+                                    self._probe_interval - 1)
         # Evidence and costs are per requested length: a proposal the confidence gate ended
         # early counts as the chain stopping there, so E(k) and the cost of asking k both
         # include what the gate does.
@@ -422,9 +436,11 @@ class AdaptiveLength:
         if self._verified > 1 and not resynced:
             other_rows = max(0, batch.rows - own_rows) if batch.known else 0
             self._last = _PendingRound(k, proposal.elapsed_s if proposal and drafted else None,
-                                       verification.elapsed_s, other_rows, drafted)
+                                       verification.elapsed_s, other_rows, drafted,
+                                       verification.steps)
             if batch.known and verification.forward_s > 0:
-                self.costs.observe_forward(batch.rows, verification.forward_s)
+                self.costs.observe_forward(batch.rows,
+                                           verification.forward_s / verification.steps)
 
 
 class HeuristicLength:

@@ -7,6 +7,7 @@ which each call's committed position, fingerprint and catch-up tokens follow.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -70,15 +71,24 @@ class Verification:
     kept_branches: tuple[int, ...] = ()
     branch_tokens: tuple[int, ...] = ()
     batch: ForwardBatch = ALONE
+    # A round without draft tokens that asked for decode_steps: the target's tokens
+    # after next_token, one forward each.
+    decoded: tuple[int, ...] = ()
 
     @property
     def accepted_tokens(self) -> int:
         """Draft tokens kept this round: the accepted path, kept alternatives included."""
         return self.accepted_len + len(self.branch_tokens)
 
+    @property
+    def steps(self) -> int:
+        """Target forwards the round took one after another: 1, or 1 + decoded."""
+        return 1 + len(self.decoded)
+
     def emitted(self, draft_tokens: list[int]) -> list[int]:
         """The tokens this round adds to the committed history."""
-        return [*draft_tokens[: self.accepted_len], *self.branch_tokens, self.next_token]
+        return [*draft_tokens[: self.accepted_len], *self.branch_tokens, self.next_token,
+                *self.decoded]
 
 
 class DraftUnavailable(Exception):
@@ -109,8 +119,12 @@ class Drafter(Protocol):
 class Verifier(Protocol):
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
                draft_probs: torch.Tensor | None, params: SamplingParams,
-               alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
-        """Returns the target's hidden states too when committed.target_hidden is set."""
+               alternatives: Alternatives = NO_ALTERNATIVES, decode_steps: int = 1,
+               stop_token_ids: Sequence[int] = ()) -> Verification:
+        """Returns the target's hidden states too when committed.target_hidden is set.
+        decode_steps: without draft tokens, the verifier may decode up to that many target
+        tokens (Verification.decoded), ending after one of stop_token_ids; a verifier whose
+        round trips cost nothing decodes one."""
         ...
 
     def release(self, session_id: str) -> None: ...

@@ -21,6 +21,7 @@ from specdec.core.offers import Offer, lookup_offer, suffix_offer
 from specdec.core.policy import (
     AlternativesPolicy,
     CostedPolicy,
+    DecodeAhead,
     DraftBackoff,
     FixedLength,
     LengthPolicy,
@@ -58,6 +59,10 @@ class GenerateConfig:
     eos_token_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     session_id: str = ""
+    # A round without a proposal may have the target decode up to this many tokens in one
+    # call while the policy will not draft (DecodeAhead), ending at an EOS: the tokens are
+    # the same, the round trips between them are saved (1: a token per round).
+    max_decode_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -203,11 +208,22 @@ class _Generation:
         self.backoff.succeeded()
         return proposal
 
+    def decode_steps(self, proposal: Proposal | None) -> int:
+        """Target tokens this round's call may decode: 1 with a proposal, else as many as
+        the policy will go without drafting, within max_decode_steps and what remains (a
+        feature draft needs the target's states of each token: 1)."""
+        if (proposal is not None or self.committed.target_hidden is not None
+                or not isinstance(self.policy, DecodeAhead)):
+            return 1
+        return max(1, min(self.policy.undrafted_rounds(), self.config.max_decode_steps,
+                          self.remaining))
+
     def verify(self, proposal: Proposal | None) -> Verification:
         draft_tokens = proposal.tokens if proposal else []
         verification = self.verifier.verify(
             self.session_id, self.committed, draft_tokens, proposal.probs if proposal else None,
-            self.params, proposal.alternatives if proposal else NO_ALTERNATIVES)
+            self.params, proposal.alternatives if proposal else NO_ALTERNATIVES,
+            self.decode_steps(proposal), self.config.eos_token_ids)
         if self.committed.target_hidden is not None and verification.hidden is not None:
             self.committed.target_hidden.record(verification.hidden_position,
                                                 verification.hidden)

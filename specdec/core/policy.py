@@ -84,12 +84,31 @@ class AlternativesPolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class DecodeAhead(Protocol):
+    """A policy that knows when it will draft nothing for a while: the loop may then
+    ask the target for that many tokens in one call (Verifier.verify's decode_steps),
+    which saves the round trips between them and changes no token."""
+
+    def undrafted_rounds(self) -> int:
+        """Rounds of one token each, from this one on, that draft nothing as the policy
+        stands (1: it decides again next round); asked after next_length."""
+        ...
+
+
+# FixedLength(0)'s undrafted_rounds: every round of the request.
+EVERY_ROUND = 1 << 30
+
+
 class FixedLength:
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = num_draft_tokens
 
     def next_length(self) -> int:
         return self.num_draft_tokens
+
+    def undrafted_rounds(self) -> int:
+        return EVERY_ROUND if self.num_draft_tokens == 0 else 1
 
     def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,
                 verification: Verification) -> None:

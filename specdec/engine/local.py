@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -66,7 +67,9 @@ class LocalVerifier:
 
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
                draft_probs: torch.Tensor | None, params: SamplingParams,
-               alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
+               alternatives: Alternatives = NO_ALTERNATIVES, decode_steps: int = 1,
+               stop_token_ids: Sequence[int] = ()) -> Verification:
+        # In process a round trip costs nothing: one token a round (decode_steps is a hint).
         started = time.perf_counter()
         mirror = self._mirrors.setdefault(session_id, CacheMirror())
         resyncs = 0

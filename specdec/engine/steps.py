@@ -62,6 +62,11 @@ def alternatives_budget(num_draft_tokens: int, append_tokens: int = 2) -> int:
     return max(0, DECODE_ROWS - append_tokens - num_draft_tokens)
 
 
+# Most tokens one verification decodes (VerifyJob's decode_steps): its forwards run
+# within one call's deadline.
+MAX_DECODE_STEPS = 64
+
+
 @dataclass(frozen=True)
 class VerifyOutput:
     verdict: Verdict
@@ -72,6 +77,8 @@ class VerifyOutput:
     # the accepted draft tokens and a kept alternative), from sync.committed_position;
     # only when asked (a feature draft reads them).
     hidden: torch.Tensor | None = None
+    # With decode_steps: the target's tokens after the verdict's next_token.
+    decoded: tuple[int, ...] = ()
 
 
 class Job(Protocol):
@@ -294,17 +301,26 @@ class VerifyJob:
     per draft token and per alternative with children (ignored when greedy); the
     alternatives (a token tree's other nodes) are verified in the same forward and leave
     the target's cache. hidden_layers: with return_hidden, return the inputs of these
-    decoder layers side by side instead of the final norm's output."""
+    decoder layers side by side instead of the final norm's output.
+
+    decode_steps: without draft tokens, decode up to this many target tokens, one forward
+    each, ending after a token of stop_token_ids. Step i feeds the token step i - 1 drew
+    and draws at the next position with the same rule and key, so the tokens are those
+    as many one-token rounds would commit, without the round trips between them."""
 
     def __init__(self, sync: SyncPoint, draft_tokens: list[int],
                  draft_probs: torch.Tensor | None, params: SamplingParams,
                  return_hidden: bool = False,
                  alternatives: Alternatives = NO_ALTERNATIVES,
-                 hidden_layers: tuple[int, ...] = ()) -> None:
+                 hidden_layers: tuple[int, ...] = (), decode_steps: int = 1,
+                 stop_token_ids: tuple[int, ...] = ()) -> None:
         try:
             alternatives.check(len(draft_tokens))
         except ValueError as error:
             raise InvalidRequest(str(error)) from None
+        if decode_steps > 1 and (draft_tokens or return_hidden):
+            raise InvalidRequest("decode_steps above 1 is for a round without draft tokens "
+                                 "or hidden states")
         k = len(draft_tokens)
         if draft_probs is not None and not params.greedy and draft_tokens:
             rows = len(alternatives.q_nodes(k))
@@ -329,6 +345,12 @@ class VerifyJob:
             branch_parents=tuple(base + parent for parent in alternatives.parents),
             prefill_length=sync.prefill_length, hidden_layers=hidden_layers)
         self._output: VerifyOutput | None = None
+        self._steps_left = max(1, decode_steps)
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._position = sync.next_position  # where the next token is drawn
+        self._drawn: list[int] = []  # tokens drawn by the steps so far
+        self._forward_s = 0.0
+        self._tokens_processed = 0
 
     @property
     def session_id(self) -> str:
@@ -346,10 +368,15 @@ class VerifyJob:
         if draft_probs is not None:
             draft_probs = draft_probs.to(target_probs.device)
         try:
-            verdict = verify(tokens, draft_probs, target_probs, params, sync.next_position,
+            verdict = verify(tokens, draft_probs, target_probs, params, self._position,
                              self.alternatives)
         except ValueError as error:  # a tree the rule cannot walk: the caller's input
             raise InvalidRequest(str(error)) from None
+        self._forward_s += result.forward_s
+        self._tokens_processed += result.tokens_processed
+        self._steps_left -= 1
+        if self._drawn or self._steps_left > 0:  # a decode step of a decode_steps call
+            return self._decode_step(verdict, result)
         hidden = None
         if result.hidden is not None:
             hidden = result.hidden[: len(sync.append) + verdict.accepted_len]
@@ -358,6 +385,22 @@ class VerifyJob:
                 hidden = torch.cat([hidden, result.hidden[rows]])
         self._output = VerifyOutput(verdict, result.kv_length, result.forward_s,
                                     result.tokens_processed, hidden)
+        return True
+
+    def _decode_step(self, verdict: Verdict, result: ExtendResult) -> bool:
+        """Keep the drawn token; feed it next unless the steps or a stop token end here."""
+        token = verdict.next_token
+        self._drawn.append(token)
+        if self._steps_left > 0 and token not in self._stop_token_ids:
+            request = self._request
+            self._request = ExtendRequest(
+                request.session_id, request.committed_position + len(request.tokens),
+                fold_fingerprint(request.fingerprint, request.tokens), [token])
+            self._position += 1
+            return False
+        first, *decoded = self._drawn
+        self._output = VerifyOutput(Verdict(0, first), result.kv_length, self._forward_s,
+                                    self._tokens_processed, decoded=tuple(decoded))
         return True
 
     def output(self) -> VerifyOutput:

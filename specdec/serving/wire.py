@@ -9,6 +9,7 @@ rejected with InvalidRequest naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -55,7 +56,7 @@ def sync_to_proto(sync: SyncPoint) -> common_pb2.SyncPoint:
                                 prefill_length=sync.prefill_length)
 
 
-def check_token_ids(tokens: list[int], vocab_size: int, field: str) -> None:
+def check_token_ids(tokens: Sequence[int], vocab_size: int, field: str) -> None:
     for index, token in enumerate(tokens):
         if not 0 <= token < vocab_size:
             raise InvalidRequest(f"{field}[{index}] = {token} is outside the vocabulary "

@@ -12,7 +12,7 @@ no children.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -313,11 +313,13 @@ class _TracedVerifier:
 
     def verify(self, session_id: str, committed: TokenHistory, draft_tokens: list[int],
                draft_probs: torch.Tensor | None, params: SamplingParams,
-               alternatives: Alternatives = NO_ALTERNATIVES) -> Verification:
+               alternatives: Alternatives = NO_ALTERNATIVES, decode_steps: int = 1,
+               stop_token_ids: Sequence[int] = ()) -> Verification:
         self.owner.begin_round()
         with self.owner.step_span(n.VERIFY_STEP_SPAN) as span:
             verification = self.inner.verify(session_id, committed, draft_tokens, draft_probs,
-                                             params, alternatives)
+                                             params, alternatives, decode_steps,
+                                             stop_token_ids)
             if span is not None:
                 span.set_attributes({n.FORWARD_MS: _ms(verification.forward_s),
                                      n.ACCEPTED: verification.accepted_len,

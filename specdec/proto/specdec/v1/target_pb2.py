@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.proto.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xa0\x02\n\rVerifyRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.SyncPoint\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x16.specdec.v1.DraftProbs\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1c\n\x14return_hidden_states\x18\x05 \x01(\x08\x12.\n\x0c\x61lternatives\x18\x06 \x01(\x0b\x32\x18.specdec.v1.Alternatives\x12\x15\n\rhidden_layers\x18\x07 \x03(\r\x12\x14\n\x0chidden_dtype\x18\x08 \x01(\t\"\xf0\x01\n\x0eVerifyResponse\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tkv_length\x18\x03 \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12/\n\rhidden_states\x18\x05 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\x19\n\x11kept_alternatives\x18\x08 \x03(\r\x12$\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x15.specdec.v1.BatchInfoJ\x04\x08\x06\x10\x07R\x10kept_alternative\"*\n\x14TargetReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x15TargetReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x99\x01\n\x06Target\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x07Release\x12 .specdec.v1.TargetReleaseRequest\x1a!.specdec.v1.TargetReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xce\x02\n\rVerifyRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.SyncPoint\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x16.specdec.v1.DraftProbs\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x1c\n\x14return_hidden_states\x18\x05 \x01(\x08\x12.\n\x0c\x61lternatives\x18\x06 \x01(\x0b\x32\x18.specdec.v1.Alternatives\x12\x15\n\rhidden_layers\x18\x07 \x03(\r\x12\x14\n\x0chidden_dtype\x18\x08 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\"\x88\x02\n\x0eVerifyResponse\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x01 \x01(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tkv_length\x18\x03 \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12/\n\rhidden_states\x18\x05 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\x19\n\x11kept_alternatives\x18\x08 \x03(\r\x12$\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x15.specdec.v1.BatchInfo\x12\x16\n\x0e\x64\x65\x63oded_tokens\x18\t \x03(\x05J\x04\x08\x06\x10\x07R\x10kept_alternative\"*\n\x14TargetReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x15TargetReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x99\x01\n\x06Target\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x07Release\x12 .specdec.v1.TargetReleaseRequest\x1a!.specdec.v1.TargetReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.proto.specdec.v1.ta
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST']._serialized_start=65
-  _globals['_VERIFYREQUEST']._serialized_end=353
-  _globals['_VERIFYRESPONSE']._serialized_start=356
-  _globals['_VERIFYRESPONSE']._serialized_end=596
-  _globals['_TARGETRELEASEREQUEST']._serialized_start=598
-  _globals['_TARGETRELEASEREQUEST']._serialized_end=640
-  _globals['_TARGETRELEASERESPONSE']._serialized_start=642
-  _globals['_TARGETRELEASERESPONSE']._serialized_end=683
-  _globals['_TARGET']._serialized_start=686
-  _globals['_TARGET']._serialized_end=839
+  _globals['_VERIFYREQUEST']._serialized_end=399
+  _globals['_VERIFYRESPONSE']._serialized_start=402
+  _globals['_VERIFYRESPONSE']._serialized_end=666
+  _globals['_TARGETRELEASEREQUEST']._serialized_start=668
+  _globals['_TARGETRELEASEREQUEST']._serialized_end=710
+  _globals['_TARGETRELEASERESPONSE']._serialized_start=712
+  _globals['_TARGETRELEASERESPONSE']._serialized_end=753
+  _globals['_TARGET']._serialized_start=756
+  _globals['_TARGET']._serialized_end=909
 # @@protoc_insertion_point(module_scope)

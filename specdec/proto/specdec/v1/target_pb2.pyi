@@ -31,10 +31,17 @@ class VerifyRequest(_message.Message):
     ALTERNATIVES_FIELD_NUMBER: _builtins.int
     HIDDEN_LAYERS_FIELD_NUMBER: _builtins.int
     HIDDEN_DTYPE_FIELD_NUMBER: _builtins.int
+    DECODE_STEPS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     return_hidden_states: _builtins.bool
     """Also return the hidden states of the tokens this call commits (for a feature draft)."""
     hidden_dtype: _builtins.str
     """With return_hidden_states: the precision of hidden_states (HiddenStates.dtype)."""
+    decode_steps: _builtins.int
+    """A round without draft tokens may decode up to this many target tokens in one call,
+    one forward each, each drawn as a round of its own would draw it (0 or 1: one). Not
+    with return_hidden_states.
+    """
     @_builtins.property
     def sync(self) -> _common_pb2.SyncPoint: ...
     @_builtins.property
@@ -61,6 +68,10 @@ class VerifyRequest(_message.Message):
         (an EAGLE-3 draft's; Draft.Describe names them); empty = the final norm's output.
         """
 
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Decoding stops after any of these tokens (the caller's end-of-sequence ids)."""
+
     def __init__(
         self,
         *,
@@ -72,10 +83,12 @@ class VerifyRequest(_message.Message):
         alternatives: _common_pb2.Alternatives | None = ...,
         hidden_layers: _abc.Iterable[_builtins.int] | None = ...,
         hidden_dtype: _builtins.str = ...,
+        decode_steps: _builtins.int = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "draft_probs", b"draft_probs", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "draft_probs", b"draft_probs", "draft_tokens", b"draft_tokens", "hidden_dtype", b"hidden_dtype", "hidden_layers", b"hidden_layers", "return_hidden_states", b"return_hidden_states", "sampling", b"sampling", "sync", b"sync"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternatives", b"alternatives", "decode_steps", b"decode_steps", "draft_probs", b"draft_probs", "draft_tokens", b"draft_tokens", "hidden_dtype", b"hidden_dtype", "hidden_layers", b"hidden_layers", "return_hidden_states", b"return_hidden_states", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "sync", b"sync"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -92,6 +105,7 @@ class VerifyResponse(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _builtins.int
     KEPT_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
+    DECODED_TOKENS_FIELD_NUMBER: _builtins.int
     accepted_len: _builtins.int
     """Leading draft tokens kept."""
     next_token: _builtins.int
@@ -117,6 +131,12 @@ class VerifyResponse(_message.Message):
     def batch(self) -> _common_pb2.BatchInfo:
         """The batch its forward ran in."""
 
+    @_builtins.property
+    def decoded_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With decode_steps: the target's tokens after next_token, in order; the session's
+        cache then holds every token but the last.
+        """
+
     def __init__(
         self,
         *,
@@ -127,10 +147,11 @@ class VerifyResponse(_message.Message):
         hidden_states: _common_pb2.HiddenStates | None = ...,
         kept_alternatives: _abc.Iterable[_builtins.int] | None = ...,
         batch: _common_pb2.BatchInfo | None = ...,
+        decoded_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "hidden_states", b"hidden_states"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_len", b"accepted_len", "batch", b"batch", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kept_alternatives", b"kept_alternatives", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_len", b"accepted_len", "batch", b"batch", "decoded_tokens", b"decoded_tokens", "forward_seconds", b"forward_seconds", "hidden_states", b"hidden_states", "kept_alternatives", b"kept_alternatives", "kv_length", b"kv_length", "next_token", b"next_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
