@@ -476,6 +476,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         out.suffix_drafts = stats.suffix_drafts
         out.suffix_draft_tokens = stats.suffix_draft_tokens
         out.suffix_accepted_tokens = stats.suffix_accepted_tokens
+        out.decoded_tokens = stats.decoded_tokens
         out.prompt_tokens = prompt_tokens
         out.completion_tokens = len(result.token_ids)
         out.total_seconds = stats.total_s

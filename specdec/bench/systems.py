@@ -57,7 +57,8 @@ def _record(config: BenchConfig, mode: SamplingMode, prompt_ids: list[int],
     stats = result.stats
     return RunRecord(
         config.name, config.system, config.length, mode.name, "", "", 0, len(prompt_ids),
-        len(result.token_ids), seconds, rounds=stats.rounds, num_drafts=stats.num_drafts,
+        len(result.token_ids), seconds, rounds=stats.rounds + stats.decoded_tokens,
+        num_drafts=stats.num_drafts,
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
         draft_s=stats.draft_s, draft_forward_s=stats.draft_forward_s, verify_s=stats.verify_s,
         verify_forward_s=stats.verify_forward_s, wire_bytes=stats.wire_bytes, chosen=chosen,
@@ -129,7 +130,8 @@ def run_grpc(config: BenchConfig, mode: SamplingMode, stub: Any, prompt_ids: lis
     stats = response.stats
     return RunRecord(
         config.name, config.system, config.length, mode.name, "", "", 0, len(prompt_ids),
-        len(response.token_ids), seconds, rounds=stats.rounds, num_drafts=stats.num_drafts,
+        len(response.token_ids), seconds, rounds=stats.rounds + stats.decoded_tokens,
+        num_drafts=stats.num_drafts,
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
         draft_s=stats.draft_seconds, draft_forward_s=stats.draft_forward_seconds,
         verify_s=stats.verify_seconds, verify_forward_s=stats.verify_forward_seconds,

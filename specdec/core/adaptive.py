@@ -48,7 +48,7 @@ from typing import NamedTuple
 from specdec.core.acceptance import ChainAcceptance, acceptance_key
 from specdec.core.cost_model import DEFAULT_MAX_DRAFT_TOKENS, CostModel
 from specdec.core.interfaces import ForwardBatch, Proposal, Verification
-from specdec.core.policy import FixedLength, LengthPolicy
+from specdec.core.policy import EVERY_ROUND, FixedLength, LengthPolicy
 from specdec.core.speculation_gate import Arm, SpeculationGate
 from specdec.settings import default
 
@@ -336,7 +336,8 @@ class AdaptiveLength:
             if self.gate_arm < Arm.DRAFT:
                 self.gated_off = self._choice > 0
                 self._choice = 0
-                self._undrafted_ahead = 1  # the gate's epochs are timed in rounds of one
+                # The gate plays its arm for an epoch of wall time: each call of it counts.
+                self._undrafted_ahead = EVERY_ROUND
         if self.rounds > 0:
             self._note_load_limit(self._choice)
         return self._choice
@@ -390,7 +391,8 @@ class AdaptiveLength:
 
     def undrafted_rounds(self) -> int:
         """Rounds from this one on that draft nothing as the policy stands: while the
-        draft does not pay, until its next probe; else 1 (asked after next_length)."""
+        draft does not pay, until its next probe; while the speculation gate turns drafting
+        off, any number; else 1 (asked after next_length)."""
         return self._undrafted_ahead
 
     def observe(self, asked: int, accepted_len: int, proposal: Proposal | None,

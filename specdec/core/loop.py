@@ -250,6 +250,7 @@ class _Generation:
             self.stats.draft_forward_s += proposal.forward_s
             self.stats.resyncs += proposal.resyncs
             self.stats.wire_bytes += proposal.wire_bytes
+        self.stats.decoded_tokens += len(verification.decoded)
         self.stats.verify_s += verification.elapsed_s
         self.stats.verify_forward_s += verification.forward_s
         self.stats.resyncs += verification.resyncs

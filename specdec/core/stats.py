@@ -29,6 +29,9 @@ class GenerationStats:
     suffix_drafts: int = 0
     suffix_draft_tokens: int = 0
     suffix_accepted_tokens: int = 0
+    # Target tokens decoded after the first in rounds without a proposal (decode steps):
+    # the target's forwards are rounds + decoded_tokens.
+    decoded_tokens: int = 0
     resyncs: int = 0
     degraded: bool = False
     draft_s: float = 0.0  # time the loop waited on Propose

@@ -291,6 +291,7 @@ class GenerationStats(_message.Message):
     SUFFIX_DRAFTS_FIELD_NUMBER: _builtins.int
     SUFFIX_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SUFFIX_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODED_TOKENS_FIELD_NUMBER: _builtins.int
     rounds: _builtins.int
     draft_tokens: _builtins.int
     accepted_tokens: _builtins.int
@@ -328,6 +329,10 @@ class GenerationStats(_message.Message):
     """Suffix decoding's part of num_drafts, draft_tokens and accepted_tokens."""
     suffix_draft_tokens: _builtins.int
     suffix_accepted_tokens: _builtins.int
+    decoded_tokens: _builtins.int
+    """Target tokens decoded after the first in rounds without a proposal (decode steps):
+    the target's forwards are rounds + decoded_tokens.
+    """
     @_builtins.property
     def accepted_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """accepted_per_position[i]: rounds that kept draft token i."""
@@ -361,10 +366,11 @@ class GenerationStats(_message.Message):
         suffix_drafts: _builtins.int = ...,
         suffix_draft_tokens: _builtins.int = ...,
         suffix_accepted_tokens: _builtins.int = ...,
+        decoded_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_rate", b"acceptance_rate", "accepted_per_position", b"accepted_per_position", "accepted_tokens", b"accepted_tokens", "alternatives", b"alternatives", "completion_tokens", b"completion_tokens", "degraded", b"degraded", "draft_forward_seconds", b"draft_forward_seconds", "draft_seconds", b"draft_seconds", "draft_tokens", b"draft_tokens", "first_token_seconds", b"first_token_seconds", "kept_alternatives", b"kept_alternatives", "lookup_accepted_tokens", b"lookup_accepted_tokens", "lookup_draft_tokens", b"lookup_draft_tokens", "lookup_drafts", b"lookup_drafts", "mean_accepted_length", b"mean_accepted_length", "num_drafts", b"num_drafts", "prompt_tokens", b"prompt_tokens", "resyncs", b"resyncs", "rounds", b"rounds", "suffix_accepted_tokens", b"suffix_accepted_tokens", "suffix_draft_tokens", b"suffix_draft_tokens", "suffix_drafts", b"suffix_drafts", "total_seconds", b"total_seconds", "verify_forward_seconds", b"verify_forward_seconds", "verify_seconds", b"verify_seconds", "wire_bytes", b"wire_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_rate", b"acceptance_rate", "accepted_per_position", b"accepted_per_position", "accepted_tokens", b"accepted_tokens", "alternatives", b"alternatives", "completion_tokens", b"completion_tokens", "decoded_tokens", b"decoded_tokens", "degraded", b"degraded", "draft_forward_seconds", b"draft_forward_seconds", "draft_seconds", b"draft_seconds", "draft_tokens", b"draft_tokens", "first_token_seconds", b"first_token_seconds", "kept_alternatives", b"kept_alternatives", "lookup_accepted_tokens", b"lookup_accepted_tokens", "lookup_draft_tokens", b"lookup_draft_tokens", "lookup_drafts", b"lookup_drafts", "mean_accepted_length", b"mean_accepted_length", "num_drafts", b"num_drafts", "prompt_tokens", b"prompt_tokens", "resyncs", b"resyncs", "rounds", b"rounds", "suffix_accepted_tokens", b"suffix_accepted_tokens", "suffix_draft_tokens", b"suffix_draft_tokens", "suffix_drafts", b"suffix_drafts", "total_seconds", b"total_seconds", "verify_forward_seconds", b"verify_forward_seconds", "verify_seconds", b"verify_seconds", "wire_bytes", b"wire_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
