@@ -92,7 +92,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             forward_s=out.forward_s, tokens_processed=out.tokens_processed,
             kv_length=out.kv_length, committed_position=sync.committed_position,
             catch_up_tokens=len(sync.append), batch=batch,
-            attributes={names.ACCEPTED: out.verdict.accepted_len})
+            attributes={names.ACCEPTED: out.verdict.accepted_len,
+                        names.STEPS: 1 + len(out.decoded)})
         response = target_pb2.VerifyResponse(
             accepted_len=out.verdict.accepted_len, next_token=out.verdict.next_token,
             kv_length=out.kv_length, forward_seconds=out.forward_s,

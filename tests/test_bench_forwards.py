@@ -39,6 +39,21 @@ def test_a_forward_shared_by_sessions_counts_once() -> None:
     assert forward_stats(spans, 200 * MS, 300 * MS) is None
 
 
+def test_a_verify_that_decoded_several_tokens_counts_its_forwards() -> None:
+    # Two sessions decoding 4 tokens each in lockstep (4 forwards of 2 rows, 80 ms in all),
+    # then a one-token Verify alone (20 ms, 1 row).
+    decoding = [verify(0, 80.0, 2, 2), verify(1, 80.0, 2, 2), verify(50, 20.0, 1, 1)]
+    for span in decoding[:2]:
+        span.attributes[n.STEPS] = 4
+    stats = forward_stats(decoding, 0, 200 * MS)
+    assert stats is not None
+    assert stats.forwards == pytest.approx(5.0)
+    assert stats.busy == pytest.approx(0.5)  # 100 ms of forwards in 200 ms
+    assert stats.sessions_per_forward == pytest.approx(9 / 5)
+    assert stats.rows_per_forward == pytest.approx(9 / 5)
+    assert stats.ms_per_forward == pytest.approx(20.0)
+
+
 def test_the_report_shows_a_forward_table_only_where_the_trace_had_forwards() -> None:
     rows = [{"concurrency": 8, "mode": mode, "workload": "prompts", "window_ns": window,
              "errors": {}} for mode, window in (("target-only", [0, 100 * MS]),

@@ -2,9 +2,11 @@
 
 Each Verify server span carries the forward it ran in (specdec.forward_ms,
 specdec.batch.sessions, specdec.batch.rows), so a forward shared by s sessions appears in
-s spans and counts 1/s in each. Over a phase's time window this says why a mode was
-faster or slower than another: more forwards, longer ones (more rows in them), or a target
-left idle while its callers were elsewhere (busy = forward time over the window).
+s spans and counts 1/s in each; a Verify that decoded several tokens (specdec.steps) ran
+that many such forwards, counted as of the size of its largest. Over a phase's time window
+this says why a mode was faster or slower than another: more forwards, longer ones (more
+rows in them), or a target left idle while its callers were elsewhere (busy = forward time
+over the window).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ def forward_stats(spans: Sequence[SpanRecord], start_ns: int, end_ns: int) -> Fo
                 or not start_ns <= span.start_ns < end_ns
                 or n.FORWARD_MS not in span.attributes):
             continue
+        steps = int(span.attributes.get(n.STEPS, 1) or 1)
         share = 1.0 / max(1, int(span.attributes.get(n.BATCH_SESSIONS, 1) or 1))
-        calls += 1
-        forwards += share
+        calls += steps
+        forwards += steps * share
         seconds += share * float(span.attributes[n.FORWARD_MS]) / 1000.0
-        rows += share * int(span.attributes.get(n.BATCH_ROWS, 0) or 0)
+        rows += steps * share * int(span.attributes.get(n.BATCH_ROWS, 0) or 0)
     if not calls or end_ns <= start_ns:
         return None
     return ForwardStats(forwards, seconds / ((end_ns - start_ns) / 1e9), calls / forwards,

@@ -209,12 +209,13 @@ class _Generation:
         return proposal
 
     def decode_steps(self, proposal: Proposal | None) -> int:
-        """Target tokens this round's call may decode: 1 with a proposal, else as many as
-        the policy will go without drafting, within max_decode_steps and what remains (a
-        feature draft needs the target's states of each token: 1)."""
+        """Target tokens this round's call may decode: 1 with a proposal or in the first
+        round, else as many as the policy will go without drafting, within
+        max_decode_steps and what remains (a feature draft needs the target's states of
+        each token: 1)."""
         if (proposal is not None or self.committed.target_hidden is not None
-                or not isinstance(self.policy, DecodeAhead)):
-            return 1
+                or not isinstance(self.policy, DecodeAhead) or self.stats.rounds == 0):
+            return 1  # the first round's token streams right after the prefill
         return max(1, min(self.policy.undrafted_rounds(), self.config.max_decode_steps,
                           self.remaining))
 

@@ -93,6 +93,7 @@ TOKENS_PROCESSED = "specdec.tokens_processed"
 KV_LENGTH = "specdec.kv_length"
 COMMITTED_POSITION = "specdec.committed_position"
 CATCH_UP_TOKENS = "specdec.catch_up_tokens"  # committed tokens the service lacked
+STEPS = "specdec.steps"  # forwards a Verify ran one after another (1 + its decoded tokens)
 # The batch a Propose/Verify ran in (specdec.serving.model_service.BatchInfo).
 BATCH_SESSIONS = "specdec.batch.sessions"
 BATCH_ROWS = "specdec.batch.rows"
