@@ -96,7 +96,7 @@ class DecodeAhead(Protocol):
         ...
 
 
-# FixedLength(0)'s undrafted_rounds: every round of the request.
+# undrafted_rounds with no end in sight (FixedLength(0), a gated-off epoch): the loop's caps rule.
 EVERY_ROUND = 1 << 30
 
 
