@@ -345,7 +345,7 @@ class VerifyJob:
             branch_parents=tuple(base + parent for parent in alternatives.parents),
             prefill_length=sync.prefill_length, hidden_layers=hidden_layers)
         self._output: VerifyOutput | None = None
-        self._steps_left = max(1, decode_steps)
+        self._decode_steps = max(1, decode_steps)
         self._stop_token_ids = frozenset(stop_token_ids)
         self._position = sync.next_position  # where the next token is drawn
         self._drawn: list[int] = []  # tokens drawn by the steps so far
@@ -374,8 +374,7 @@ class VerifyJob:
             raise InvalidRequest(str(error)) from None
         self._forward_s += result.forward_s
         self._tokens_processed += result.tokens_processed
-        self._steps_left -= 1
-        if self._drawn or self._steps_left > 0:  # a decode step of a decode_steps call
+        if self._decode_steps > 1:
             return self._decode_step(verdict, result)
         hidden = None
         if result.hidden is not None:
@@ -383,15 +382,15 @@ class VerifyJob:
             if verdict.branch_path:  # the kept alternatives' states follow the chain's
                 rows = [self._chain_length + index for index in verdict.branch_path]
                 hidden = torch.cat([hidden, result.hidden[rows]])
-        self._output = VerifyOutput(verdict, result.kv_length, result.forward_s,
-                                    result.tokens_processed, hidden)
+        self._output = VerifyOutput(verdict, result.kv_length, self._forward_s,
+                                    self._tokens_processed, hidden)
         return True
 
     def _decode_step(self, verdict: Verdict, result: ExtendResult) -> bool:
         """Keep the drawn token; feed it next unless the steps or a stop token end here."""
         token = verdict.next_token
         self._drawn.append(token)
-        if self._steps_left > 0 and token not in self._stop_token_ids:
+        if len(self._drawn) < self._decode_steps and token not in self._stop_token_ids:
             request = self._request
             self._request = ExtendRequest(
                 request.session_id, request.committed_position + len(request.tokens),
