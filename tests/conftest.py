@@ -56,10 +56,16 @@ if _WORKERS > 1:
 
 def pytest_collection_modifyitems(items: list) -> None:
     """Tests that start a Ray instance run on one worker, one after another: two local Ray
-    clusters on one machine compete for its CPUs and its default ports."""
+    clusters on one machine compete for its CPUs and its default ports. That group is the
+    suite's longest piece of work (several minutes), so it goes first: the workers take
+    work in collection order, and a long piece taken last would leave the others idle at
+    the end."""
     for item in items:
         if item.module is not None and item.module.__name__ in RAY_MODULES:
             item.add_marker(pytest.mark.xdist_group("ray"))
+
+    # Stable: the group's tests, then the others, each in collection order.
+    items.sort(key=lambda item: item.module is None or item.module.__name__ not in RAY_MODULES)
 
 
 RAY_MODULES = {"test_ray", "test_ray_capacity", "test_soak"}  # test_soak: `soak --ray`
