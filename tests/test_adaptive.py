@@ -131,6 +131,49 @@ def test_sweeps_every_length_once_per_cost_model_then_reuses_it() -> None:
     assert {0, 8}.isdisjoint(second.chosen)  # no second sweep: only plausible lengths
 
 
+# T_target(k + 1) where drafting pays at high acceptance and not at low.
+VERIFY_MID = {0: 0.060, 1: 0.080, 2: 0.085, 3: 0.090, 4: 0.095, 5: 0.100, 6: 0.105,
+              7: 0.110, 8: 0.115}
+
+
+def drafting_rounds_of_a_second_session(strength: float, alpha: float, seed: int,
+                                        rounds: int) -> list[int]:
+    """The lengths a session chooses after one of the same deployment that accepted at
+    0.3 for 80 rounds (so that drafting does not pay there)."""
+    clock, costs = FakeClock(), CostModel()
+    simulate(AdaptiveLength(4, 8, costs=costs, clock=clock), clock, 0.3, 0.012, VERIFY_MID, 80,
+             seed=seed)
+    second = AdaptiveLength(4, 8, costs=costs, clock=clock, shared_prior_strength=strength)
+    simulate(second, clock, alpha, 0.012, VERIFY_MID, rounds, seed=seed + 100)
+    return second.chosen
+
+
+def test_a_new_session_takes_the_deployments_acceptance_as_a_firm_prior() -> None:
+    """Before sessions of a kind have drafted, the generic prior (0.6, worth 4 trials);
+    after, their acceptance, worth up to 8: a new session's optimistic estimate is then
+    close to what drafting gives here, so it stops a draft that does not pay sooner. A
+    session whose text accepts far better still finds that out and drafts long."""
+    costs = CostModel()
+    fresh = AdaptiveLength(4, 8, costs=costs)
+    assert fresh.prior == pytest.approx((2.4, 1.6))
+    for _ in range(4):  # 8 trials: not yet evidence enough
+        costs.record_acceptance("default", 1, True)
+    assert AdaptiveLength(4, 8, costs=costs).prior == pytest.approx((2.4, 1.6))
+    for _ in range(15):
+        costs.record_acceptance("default", 0, True)
+        costs.record_acceptance("default", 1, True)
+    shared, evidence = costs.acceptance_evidence("default")
+    assert evidence > 8.0 and 0.3 < shared < 0.4
+    informed = AdaptiveLength(4, 8, costs=costs)
+    assert informed.prior == pytest.approx((8 * shared, 8 * (1 - shared)))
+    generic_strength = AdaptiveLength(4, 8, costs=costs, shared_prior_strength=4.0)
+    assert informed.alpha() == pytest.approx(shared)
+    assert informed.upper_alpha() < generic_strength.upper_alpha() - 0.03
+    for seed in range(4):
+        chosen = drafting_rounds_of_a_second_session(8.0, 0.95, seed, 100)
+        assert sorted(chosen[-20:])[10] >= 3, chosen
+
+
 def test_seeded_from_a_calibration_needs_no_sweep() -> None:
     curve = CostCurve("fake", {k + 1: v for k, v in VERIFY.items()}, 0.012)
     costs = CostModel.from_curve(curve, 8, weight=2.0)

@@ -9,10 +9,12 @@ with the best ratio, every round, from running estimates of both:
   when the first i - 1 proposals were accepted), shrunk towards a discounted Beta
   posterior of the per-token rate, so E(k) = 1 + sum_j prod_{i <= j} a_i. The discount
   (per drafting round) lets the estimate follow the text (code, lists and prose accept
-  differently). k = 0 collects no evidence, so drafting stops only when even an
-  optimistic acceptance (posterior mean + 1 sd) says so, and the draft is then probed
-  with the best k > 0 every `probe_every` rounds, an interval that doubles (to 64) while
-  probes keep failing.
+  differently). The posterior's prior is the acceptance of the deployment's recent
+  sessions of the same kind (greedy or sampled), worth up to 8 trials, once they have
+  drafted; before that a generic one. k = 0 collects no evidence, so drafting stops
+  only when even an optimistic acceptance (posterior mean + 1 sd) says so, and the
+  draft is then probed with the best k > 0 every `probe_every` rounds, an interval
+  that doubles (to 64) while probes keep failing.
 - costs, shared by all sessions of a process (a property of the deployment, not of the
   text): wall time of Propose per k, of Verify per k and the remaining per-round time,
   each an EMA (specdec.core.cost_model), optionally seeded from a calibration. Until every k has
@@ -118,6 +120,10 @@ DEFAULT_DRAFT_CONFIDENCE: float = default("draft-confidence")
 DEFAULT_INITIAL_LENGTH: int = default("num-draft-tokens")
 
 
+# Trials recent sessions of a kind must have drafted before their acceptance is the prior.
+SHARED_PRIOR_MIN_EVIDENCE = 10.0
+
+
 class _PendingRound(NamedTuple):
     k: int  # tokens asked of the draft; for a model-free round, the nodes verified
     draft_s: float | None
@@ -132,7 +138,8 @@ class AdaptiveLength:
 
     def __init__(self, initial: int = DEFAULT_INITIAL_LENGTH,
                  max_length: int = DEFAULT_MAX_LENGTH, *, costs: CostModel | None = None,
-                 prior_alpha: float = 0.6, prior_strength: float = 4.0, decay: float = 0.95,
+                 prior_alpha: float = 0.6, prior_strength: float = 4.0,
+                 shared_prior_strength: float = 8.0, decay: float = 0.95,
                  shrink: float = 3.0, allow_zero: bool = True, min_samples: float = 2.0,
                  probe_every: int = 8, prior_key: str = "default",
                  clock: Callable[[], float] = time.perf_counter,
@@ -142,8 +149,16 @@ class AdaptiveLength:
         self.max_length = max_length
         self.costs = costs if costs is not None else CostModel()
         self.prior_key = prior_key
-        shared = self.costs.acceptance(prior_key)
-        prior_alpha = min(0.95, max(0.05, shared if shared is not None else prior_alpha))
+        # Once recent sessions of this kind have drafted, their acceptance is the prior,
+        # weighted as up to shared_prior_strength trials of the session's own: a new
+        # session then stops a draft that does not pay here within a round or two, where
+        # the generic prior would let it draft until its own evidence outweighs it. Its
+        # own rounds (at most about 1 / (1 - decay) trials) still outweigh either prior.
+        shared, evidence = self.costs.acceptance_evidence(prior_key)
+        if evidence >= SHARED_PRIOR_MIN_EVIDENCE:
+            prior_alpha = shared
+            prior_strength = max(prior_strength, min(shared_prior_strength, evidence))
+        prior_alpha = min(0.95, max(0.05, prior_alpha))
         self.prior = (prior_alpha * prior_strength, (1 - prior_alpha) * prior_strength)
         self.decay = decay
         self.shrink = shrink

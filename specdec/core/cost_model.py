@@ -124,11 +124,13 @@ class CostModel:
             counts[0] = counts[0] * self.acceptance_decay + accepted
             counts[1] = counts[1] * self.acceptance_decay + float(failed)
 
-    def acceptance(self, key: str, min_evidence: float = 10.0) -> float | None:
+    def acceptance_evidence(self, key: str) -> tuple[float, float]:
+        """(recent sessions' per-token acceptance, the discounted trials behind it);
+        (0, 0) before any."""
         with self._lock:
             successes, failures = self._acceptance.get(key, (0.0, 0.0))
         total = successes + failures
-        return successes / total if total >= min_evidence else None
+        return (successes / total if total > 0 else 0.0), total
 
     @classmethod
     def from_curve(cls, curve: MeasuredCosts, max_length: int = DEFAULT_MAX_DRAFT_TOKENS,
