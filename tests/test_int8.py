@@ -209,6 +209,25 @@ def test_a_model_on_int8_is_row_invariant_by_the_load_probe_and_in_its_forward()
     assert torch.equal(verified, torch.cat(decoded))
 
 
+class _PassesDifferAt(int8.Int8Linear):
+    """An int8 layer whose rows take another order at exactly `count` rows (as a pass
+    split gone wrong would): those outputs move by one step of their precision."""
+
+    count = 0
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = super().forward(input)
+        return torch.nextafter(out, out + 1) if input.shape[0] == self.count else out
+
+
+@pytest.mark.parametrize(("count", "found"), [(7, 6), (16, 15), (64, 32), (256, 128)])
+def test_the_load_probe_finds_an_int8_layer_that_a_row_count_changes(count: int,
+                                                                      found: int) -> None:
+    layer = _PassesDifferAt(_layer(64, 32))
+    layer.count = count
+    assert row_invariant_rows(nn.Sequential(layer)) == found
+
+
 def test_dtype_int8_names_the_int8_kernel_with_bfloat16_activations() -> None:
     assert parse_dtype("int8") == torch.bfloat16
     assert linear_kernel_for("int8", "auto") == "int8"

@@ -198,8 +198,8 @@ def row_invariant_rows(model: nn.Module, cap: int = ROW_INVARIANCE_PROBE_CAP) ->
     the narrow ones. So it is measured: one weight matrix per distinct shape of the
     model, on a seeded random probe, every n from ONEDNN_MIN_ROWS up to the smallest
     count found so far (the widest first). The int8 kernel is row-invariant by
-    construction; the probe checks that too. Measured once per model object and
-    remembered on it.
+    construction; the probe checks that too, at the counts that take its different
+    paths (_int8_probe_counts). Measured once per model object and remembered on it.
     """
     from specdec.engine.int8 import Int8Linear
 
@@ -231,11 +231,22 @@ def _probe_counts(cap: int) -> list[int]:
     return [*range(ONEDNN_MIN_ROWS + 1, min(cap, 64) + 1), *range(72, cap + 1, 8)]
 
 
+def _int8_probe_counts(cap: int) -> list[int]:
+    """The int8 operator sums each output in an order fixed by the layer's width; what a
+    row count changes is how the rows are cut into passes of a few rows (and whether
+    4-bit codes are expanded first), which every count to 16 exercises. Then a few larger
+    counts, and the cap that the result claims."""
+    counts = {*range(ONEDNN_MIN_ROWS + 1, 17), 24, 32, 64, 128, cap}
+    return sorted(count for count in counts if count <= cap)
+
+
 @torch.inference_mode()
 def _invariant_rows(layer: nn.Module, cap: int) -> int:
     """The probe repeats one block of ONEDNN_MIN_ROWS rows, so one 4-row product is the
     reference for every row: a row whose bits depend on its place or on the row count
     shows up as a mismatch."""
+    from specdec.engine.int8 import Int8Linear
+
     generator = torch.Generator().manual_seed(0)
     in_features: int = layer.in_features  # type: ignore[assignment]  # Linear or Int8Linear
     block = torch.randn(ONEDNN_MIN_ROWS, in_features, generator=generator)
@@ -245,7 +256,8 @@ def _invariant_rows(layer: nn.Module, cap: int) -> int:
     probe = block.repeat(-(-cap // ONEDNN_MIN_ROWS), 1)
     expected = reference.repeat(-(-cap // ONEDNN_MIN_ROWS), 1)
     verified = ONEDNN_MIN_ROWS
-    for rows in _probe_counts(cap):
+    counts = _int8_probe_counts(cap) if isinstance(layer, Int8Linear) else _probe_counts(cap)
+    for rows in counts:
         if not torch.equal(layer(probe[:rows]), expected[:rows]):
             return verified
         verified = rows
