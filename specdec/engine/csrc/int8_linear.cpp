@@ -505,10 +505,14 @@ inline __m256i codes16(const uint8_t* step_codes, int j, int half) {
 }
 
 // A block's nibbles (groups slots of BLOCK_N / 2 x GROUP bytes) as one value a byte
-// (slots of BLOCK_N x GROUP bytes, int8_pack's layout).
-inline void expand_nibbles(const uint8_t* nibbles, int64_t groups, uint8_t* bytes) {
+// (slots of BLOCK_N x GROUP bytes, int8_pack's layout), asking for the same bytes of the
+// next block (ahead; null for the last) as it goes: they arrive while the passes of rows
+// work from the expanded block, which holds no codes still to come to prefetch from.
+inline void expand_nibbles(const uint8_t* nibbles, int64_t groups, uint8_t* bytes,
+                           const uint8_t* ahead) {
   const __m256i low = _mm256_set1_epi8(15);
   for (int64_t pair = 0; pair < groups * (BLOCK_N / 2); ++pair) {
+    if (ahead != nullptr && pair % 2 == 0) __builtin_prefetch(ahead + pair * GROUP, 0, 3);
     const __m256i packed =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + pair * GROUP));
     __m256i* out = reinterpret_cast<__m256i*>(bytes + 2 * pair * GROUP);
@@ -527,7 +531,8 @@ void dot_block_avx2(const int16_t* q, const float* lane_sums, int64_t K,
   const int64_t groups = K / GROUP;
   const int64_t count = static_cast<int64_t>(blocks.size());
   constexpr int64_t step_bytes = (CODES == Codes::kNibbles ? BLOCK_N / 2 : BLOCK_N) * GROUP;
-  constexpr int OUTPUTS = RM == 1 ? 4 : RM == 2 ? 2 : 1;  // 2 * RM * OUTPUTS sums
+  // RM * OUTPUTS int32 sums in registers; each row's vector loaded serves OUTPUTS outputs.
+  constexpr int OUTPUTS = RM >= 3 ? 2 : 4;
   const __m256 code_scale = _mm256_set1_ps(CODES == Codes::kBytes ? 1.0f : 8.0f);
   for (int j0 = 0; j0 < BLOCK_N; j0 += OUTPUTS) {
     __m256 acc[RM][OUTPUTS];
@@ -540,7 +545,7 @@ void dot_block_avx2(const int16_t* q, const float* lane_sums, int64_t K,
       const int64_t end = blocks[b].first_step + blocks[b].groups;
       for (int64_t slot = blocks[b].first_step; slot < end; ++slot) {
         const uint8_t* step_codes = codes + slot * step_bytes;
-        if (j0 == 0)
+        if (CODES != Codes::kNibbleBytes && j0 == 0)
           for (int64_t line = 0; line < step_bytes; line += 64)
             __builtin_prefetch(step_codes + PREFETCH_BYTES + line, 0, 3);
         for (int half = 0; half < 2; ++half)
@@ -607,7 +612,9 @@ at::Tensor int8_linear_avx2(const at::Tensor& x, const at::Tensor& codes,
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n0 = nb * BLOCK_N;
       const uint8_t* block = cp + nb * block_bytes;
-      if (expand) expand_nibbles(block, groups, expanded.data());
+      if (expand)
+        expand_nibbles(block, groups, expanded.data(),
+                       nb + 1 < N / BLOCK_N ? block + block_bytes : nullptr);
       const float* bs = sp + n0 * groups;
       const float* bo = op + n0 * groups;
       for_each_pass(M, AVX2_BLOCK_M, [&](int64_t m0, int64_t rows_in_pass) {
