@@ -505,9 +505,9 @@ inline __m256i codes16(const uint8_t* step_codes, int j, int half) {
 }
 
 // A block's nibbles (groups slots of BLOCK_N / 2 x GROUP bytes) as one value a byte
-// (slots of BLOCK_N x GROUP bytes, int8_pack's layout), asking for the same bytes of the
-// next block (ahead; null for the last) as it goes: they arrive while the passes of rows
-// work from the expanded block, which holds no codes still to come to prefetch from.
+// (slots of BLOCK_N x GROUP bytes, int8_pack's layout), asking for the next block's bytes
+// (ahead; null for the last) as it goes, so that they arrive while the passes of rows
+// read the expanded copy (whose prefetches would ask for nothing to come).
 inline void expand_nibbles(const uint8_t* nibbles, int64_t groups, uint8_t* bytes,
                            const uint8_t* ahead) {
   const __m256i low = _mm256_set1_epi8(15);
