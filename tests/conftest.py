@@ -13,7 +13,7 @@ tests/test_draft_compile.py and test_exactness.py compile it where that is the s
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -41,19 +41,23 @@ for _name in user_settings(os.environ):
 os.environ["SPECDEC_DRAFT_COMPILE"] = "off"
 
 # Under pytest-xdist (`make test` runs one worker per core) the workers share the CPUs:
-# each gets an equal share for torch's threads, and OpenMP threads sleep rather than spin
-# while they wait, as `specdec up` sets for its services. Pools that together hold more
-# spinning threads than cores wait on each other many times over.
+# each gets an equal share for torch's threads, its own and those of the services it
+# starts (`specdec up` would give each service every CPU), and OpenMP threads sleep
+# rather than spin while they wait, as `specdec up` sets for its services. Pools that
+# together hold more threads than cores wait on each other many times over: a forward
+# at more threads than its share, beside a busy worker, takes longer, not shorter.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1:
     _threads = str(max(1, (os.cpu_count() or 1) // _WORKERS))
     os.environ.setdefault("OMP_NUM_THREADS", _threads)
+    os.environ["SPECDEC_TORCH_THREADS"] = _threads
     from specdec.serving.stack import SERVICE_THREAD_ENV  # the services' setting; loads no torch
 
     for _key, _value in SERVICE_THREAD_ENV.items():
         os.environ.setdefault(_key, _value)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group marks
 def pytest_collection_modifyitems(items: list) -> None:
     """Tests that start a Ray instance run on one worker, one after another: two local Ray
     clusters on one machine compete for its CPUs and its default ports. That group is the
@@ -69,6 +73,25 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 
 RAY_MODULES = {"test_ray", "test_ray_capacity", "test_soak"}  # test_soak: `soak --ray`
+
+
+@pytest.fixture(scope="session")
+def _suite_torch_threads() -> int:
+    """torch's threads before any test sets them: the worker's share under xdist."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored(_suite_torch_threads: int) -> Iterator[None]:
+    """A test that sets torch's threads (to split a kernel's work as a service on every
+    core does) sets them for itself: the worker's next test runs at its share again."""
+    yield
+    import torch
+
+    if torch.get_num_threads() != _suite_torch_threads:
+        torch.set_num_threads(_suite_torch_threads)
 
 
 @pytest.fixture(scope="module")

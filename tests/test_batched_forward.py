@@ -343,7 +343,6 @@ def _forwards(row_counts: list[int], cap: int) -> int:
 
 @pytest.fixture(scope="module")
 def target_bf16() -> models.LoadedModel:
-    torch.set_num_threads(2)
     return load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.bfloat16,
                           progress=False, linear_kernel=ROW_INVARIANT_BF16_LINEAR)
 

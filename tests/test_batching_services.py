@@ -430,7 +430,6 @@ def test_real_pair_concurrent_greedy_equals_serial_target_only() -> None:
     from specdec.engine.backends.cpu import load_causal_lm
     from specdec.serving.model_service import model_info
 
-    torch.set_num_threads(2)
     cpu = torch.device("cpu")
     target = load_causal_lm(model_zoo.DEFAULT_TARGET, cpu, torch.bfloat16, progress=False,
                             linear_kernel=ROW_INVARIANT_BF16_LINEAR)

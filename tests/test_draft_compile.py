@@ -32,6 +32,11 @@ from specdec.engine.runner import ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.steps import draft_step
 
+# One worker compiles the committed draft once here and again in
+# test_services_cli.py::test_the_first_request_after_ready_compiles_nothing, which then
+# finds inductor's cache warm.
+pytestmark = pytest.mark.xdist_group("draft-compile")
+
 CPU = torch.device("cpu")
 TARGET_VOCAB = 49152
 
@@ -39,7 +44,6 @@ TARGET_VOCAB = 49152
 @pytest.fixture(scope="module")
 def compiled_draft() -> tuple[Any, Any]:
     """The committed draft compiled ("on"), and its eager forward."""
-    torch.set_num_threads(2)
     loaded = load_causal_lm(DEFAULT_DRAFT, CPU, torch.float32, progress=False,
                             linear_kernel="torch")
     eager = loaded.model.forward

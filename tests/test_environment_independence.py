@@ -48,12 +48,17 @@ EXPECTED_TESTS = 6  # test_own_models' test runs for two names
 
 def test_the_services_the_suite_starts_see_the_code_defaults() -> None:
     """Every flag of `specdec serve` is at its registry default (the draft's compile at the
-    suite's `off`), and tracing at the SDK's defaults, whatever the runner exported."""
+    suite's `off`, and under pytest-xdist the torch threads at the worker's share of the
+    CPUs: tests/conftest.py), and tracing at the SDK's defaults, whatever the runner
+    exported."""
+    suite: dict[str, object] = {"draft-compile": "off"}
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        suite["torch-threads"] = max(1, (os.cpu_count() or 1) // workers)
     args = vars(serve_parser().parse_args(["target"]))
     for setting in SETTINGS.values():
         if setting.dest in args:
-            expected = "off" if setting.name == "draft-compile" else setting.default
-            assert args[setting.dest] == expected, setting.env
+            assert args[setting.dest] == suite.get(setting.name, setting.default), setting.env
     assert not sdk_disabled() and not otlp_requested()
 
 

@@ -29,6 +29,8 @@ from tests.tiny_models import tiny_llama
 
 ROLES = ("target", "draft", "coordinator")
 REPO = Path(__file__).resolve().parents[1]
+# Every test reads the one stack the module fixture starts: on one worker, it starts once.
+pytestmark = pytest.mark.xdist_group("observability-stack")
 
 
 @dataclass

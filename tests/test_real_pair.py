@@ -35,7 +35,6 @@ ACCEPTANCE_RATE_FLOOR = 0.09
 
 @pytest.fixture(scope="module")
 def target() -> models.LoadedModel:
-    torch.set_num_threads(2)
     return load_causal_lm(models.DEFAULT_TARGET, torch.device("cpu"), torch.float32,
                                  progress=False)
 
