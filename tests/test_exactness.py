@@ -4,6 +4,11 @@ Tiny random Llama models over an 8-token vocabulary; the first 3 generated token
 (512 outcomes, enumerated exactly) are compared with a chi-square test. Seeds are fixed,
 so the verdicts are deterministic. A deliberately wrong sampler (q from unprocessed
 logits) must be rejected by the same test, which shows the test has power.
+
+Each sampling setting's chain law is checked once, in one of the ways a deployment runs
+the models (bfloat16 through the CPU kernels: T0.7_topk4; a bfloat16 target with a
+float32 draft: T1; a compiled draft: top-p 0.8), and each setting's token-tree law in
+float32.
 """
 
 from __future__ import annotations
@@ -85,11 +90,6 @@ def assert_law_matches(target: torch.nn.Module, draft: torch.nn.Module,
     samples = sample_joint(LocalDrafter(ModelRunner(draft)), LocalVerifier(ModelRunner(target)),
                            params, num_draft_tokens=2)
     assert chi_square_pvalue(samples, law) > 1e-3
-
-
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_speculative_law_matches_target(models, setting: str) -> None:
-    assert_law_matches(*models, SETTINGS[setting])
 
 
 def test_speculative_law_matches_target_in_bfloat16_with_the_cpu_kernels(models) -> None:

@@ -114,11 +114,12 @@ def test_misaligned_states_change_the_proposals(models) -> None:
     assert changed >= 3
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.7, top_k=4)],
-                         ids=["T1", "T0.7_topk4"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_k=4)],
+                         ids=["T0.7_topk4"])
 def test_sampled_law_matches_target(params: SamplingParams) -> None:
-    """Joint law of the first 3 tokens (8-token vocabulary, 2500 runs, chi-square)."""
+    """Joint law of the first 3 tokens (8-token vocabulary, 2500 runs, chi-square). One
+    setting: what is the feature draft's own (its input of the target's states) is the
+    same under every setting, whose processing tests/test_exactness.py checks."""
     vocab, prompt, length = 8, [1, 5, 2], 3
     target = tiny_llama(vocab, seed=11, logit_scale=0.5)
     draft = tiny_feature_draft(vocab, 32, seed=13, logit_scale=0.5)

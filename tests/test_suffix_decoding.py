@@ -212,9 +212,9 @@ def sampled_outputs(proposer_type: type[SuffixProposer], params: SamplingParams
     return samples, suffix_tokens, alternatives
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=1.0, top_p=0.8)],
-                         ids=["T1", "topp0.8"])
+# T1, as the wrong-q test below: top-p's zeros for deterministic proposals are checked
+# with prompt lookup's (tests/test_prompt_lookup.py), trees' with tests/test_exactness.py.
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0)], ids=["T1"])
 def test_sampled_law_with_suffix_chains_and_trees_matches_target(
         params: SamplingParams) -> None:
     target = tiny_llama(VOCAB, seed=11, logit_scale=0.5)
