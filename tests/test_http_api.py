@@ -31,6 +31,8 @@ from specdec.engine.models import DEFAULT_TARGET, resolve
 from specdec.proto.specdec.v1 import coordinator_pb2
 from specdec.serving.stack import free_port
 
+# Every test here reads the one stack the module fixture starts: on one worker, it starts once.
+pytestmark = pytest.mark.xdist_group("http-api-stack")
 MODEL = "tiny-smollm2"
 LIMIT = 200  # the coordinator's max_new_tokens limit
 VERIFY_DELAY_S = 0.02  # per Verify: a long generation takes seconds, so cancelling shows

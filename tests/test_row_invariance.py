@@ -26,6 +26,8 @@ from specdec.engine.runner import ExtendRequest, ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
 
 CPU = torch.device("cpu")
+# The module's targets load once, on one worker (module fixtures run once per worker).
+pytestmark = pytest.mark.xdist_group("row-invariance-targets")
 
 
 def _dtypes() -> list[object]:
