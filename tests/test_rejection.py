@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy import stats
 
 from specdec.core.rejection import residual, verify_greedy
 from specdec.core.sampling import SamplingParams
@@ -60,22 +61,26 @@ def test_one_step_law_detects_a_wrong_residual() -> None:
 
 
 def test_verify_empirical_one_step_matches_p() -> None:
-    """The implementation (not just the formula) draws from p: 40k seeded trials, 6 tokens."""
+    """The implementation (not just the formula) draws from p: 10k seeded trials, 6 tokens,
+    a chi-square test of the counts against p (a cell 0.02 off alone gives a statistic
+    near 20 on 4 degrees of freedom, p-value about 1e-3)."""
     generator = torch.Generator().manual_seed(7)
     p = random_dist(6, generator, zeros=1).float()
     q = random_dist(6, generator, zeros=1).float()
     counts = torch.zeros(6)
     draft_gen = torch.Generator().manual_seed(99)
-    trials = 40_000
+    trials = 10_000
     for trial in range(trials):
         token = torch.multinomial(q, 1, generator=draft_gen)
         seeded = SamplingParams(temperature=1.0, seed=trial)
         verdict = verify(token, q.unsqueeze(0), torch.stack([p, p]), seeded, first_position=0)
         out = int(token[0]) if verdict.accepted_len == 1 else verdict.next_token
         counts[out] += 1
-    freq = counts / trials
-    assert freq[p == 0].sum() == 0
-    assert torch.allclose(freq, p, atol=0.012), (freq, p)
+    assert counts[p == 0].sum() == 0
+    held = p > 0
+    pvalue = stats.chisquare(counts[held].double().numpy(),
+                             (p[held].double() * trials).numpy()).pvalue
+    assert pvalue > 1e-3, (counts / trials, p)
 
 
 def test_greedy_keeps_matching_prefix_then_corrects() -> None:
