@@ -26,7 +26,7 @@ import grpc
 import torch
 
 from coordinator.routing import ChannelClosed, FixedRoute, Route
-from specdec.core.history import FINAL_STATE, HiddenSpec, TokenHistory
+from specdec.core.history import FINAL_STATE, HiddenSpec, SyncPoint, TokenHistory
 from specdec.core.interfaces import (
     CacheMirror,
     DraftUnavailable,
@@ -37,7 +37,6 @@ from specdec.core.interfaces import (
 )
 from specdec.core.sampling import SamplingParams
 from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives
-from specdec.engine.steps import SyncPoint
 from specdec.errors import DeadlineExceeded, InvalidRequest, ServiceUnavailable
 from specdec.proto.specdec.v1 import (
     common_pb2,

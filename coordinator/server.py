@@ -12,10 +12,9 @@ import grpc
 from coordinator.clients import ChannelPool
 from coordinator.endpoints import ReplicaEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
-from specdec.engine.models import load_tokenizer
+from specdec.engine.models import load_tokenizer, model_info
 from specdec.engine.tokenizer_check import check_pair
 from specdec.serving.grpc_server import ServerHandle, build_server
-from specdec.serving.model_service import model_info
 from specdec.serving.security import (
     SecuritySettings,
     channel_credentials,

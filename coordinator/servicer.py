@@ -62,14 +62,13 @@ from specdec.core.prompt_lookup import (
 from specdec.core.speculation_gate import SpeculationGate
 from specdec.core.suffix_cache import SuffixCache
 from specdec.core.suffix_proposer import SuffixProposer
-from specdec.engine.shapes import DECODE_ROWS
-from specdec.engine.steps import DEFAULT_ALTERNATIVES, MAX_DECODE_STEPS
+from specdec.engine.models import ModelInfo
+from specdec.engine.shapes import DECODE_ROWS, DEFAULT_ALTERNATIVES, MAX_DECODE_STEPS
 from specdec.errors import SpecdecError
 from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.serving.discovery import ReplicaSet
 from specdec.serving.grpc_server import Service
 from specdec.serving.grpc_status import abort, rpc_errors
-from specdec.serving.model_service import ModelInfo
 from specdec.settings import default
 from specdec.telemetry.observe import RequestObserver
 from specdec.telemetry.round_tracer import load_attributes

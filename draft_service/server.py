@@ -11,13 +11,9 @@ import grpc
 
 from draft_service.servicer import DraftServicer
 from specdec.engine.backends import select_backend
+from specdec.engine.models import model_info
 from specdec.serving.grpc_server import ServerHandle
-from specdec.serving.model_service import (
-    BatchLimits,
-    model_info,
-    serving_runner,
-    start_model_server,
-)
+from specdec.serving.model_service import BatchLimits, serving_runner, start_model_server
 from specdec.telemetry.service import Telemetry
 
 log = logging.getLogger(__name__)

@@ -63,9 +63,14 @@ def worker(args: argparse.Namespace) -> None:
     from specdec.core.loop import GenerateConfig, generate
     from specdec.core.sampling import SamplingParams
     from specdec.engine.local import LocalDrafter, LocalVerifier
-    from specdec.engine.models import DEFAULT_DRAFT, DEFAULT_TARGET, load_causal_lm, parse_dtype
+    from specdec.engine.models import (
+        DEFAULT_DRAFT,
+        DEFAULT_TARGET,
+        load_causal_lm,
+        model_info,
+        parse_dtype,
+    )
     from specdec.engine.runner import ModelRunner
-    from specdec.serving.model_service import model_info
 
     torch.set_num_threads(args.torch_threads)
     dtype, cpu = parse_dtype(args.dtype), torch.device("cpu")

@@ -9,8 +9,8 @@ import grpc
 import torch
 
 from specdec.engine.runner import ModelRunner
-from specdec.engine.shapes import DECODE_ROWS
-from specdec.engine.steps import MAX_DECODE_STEPS, VerifyJob, VerifyOutput
+from specdec.engine.shapes import DECODE_ROWS, MAX_DECODE_STEPS
+from specdec.engine.steps import VerifyJob, VerifyOutput
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving import wire

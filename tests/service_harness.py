@@ -14,10 +14,10 @@ from coordinator.clients import ChannelPool
 from coordinator.endpoints import StaticEndpoints
 from coordinator.servicer import CoordinatorServicer, CoordinatorSettings
 from draft_service.servicer import DraftServicer
+from specdec.engine.models import ModelInfo
 from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import coordinator_pb2_grpc
 from specdec.serving.grpc_server import ServerHandle, build_server
-from specdec.serving.model_service import ModelInfo
 from target_service.servicer import TargetServicer
 
 

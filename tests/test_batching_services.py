@@ -428,7 +428,7 @@ def test_real_pair_concurrent_greedy_equals_serial_target_only() -> None:
     same request served alone and to the target's own serial greedy output."""
     from specdec.engine import models as model_zoo
     from specdec.engine.backends.cpu import load_causal_lm
-    from specdec.serving.model_service import model_info
+    from specdec.engine.models import model_info
 
     cpu = torch.device("cpu")
     target = load_causal_lm(model_zoo.DEFAULT_TARGET, cpu, torch.bfloat16, progress=False,

@@ -30,7 +30,7 @@ from specdec.bench.prompts import CATEGORIES, BenchPrompt, load_prompts, select
 from specdec.commands.bench import add_parser, load_result, settings_from_args, write_outputs
 from specdec.draft_training.prompts import generate_prompts
 from specdec.draft_training.wide_prompts import generate_wide_prompts
-from specdec.engine.steps import DEFAULT_ALTERNATIVES
+from specdec.engine.shapes import DEFAULT_ALTERNATIVES
 
 
 def _normal(text: str) -> str:

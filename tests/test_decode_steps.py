@@ -20,7 +20,8 @@ from specdec.core.loop import GenerateConfig, generate
 from specdec.core.sampling import SamplingParams
 from specdec.engine.local import LocalVerifier
 from specdec.engine.runner import ModelRunner
-from specdec.engine.steps import MAX_DECODE_STEPS, SyncPoint, VerifyJob, run_jobs, verify_step
+from specdec.engine.shapes import MAX_DECODE_STEPS
+from specdec.engine.steps import SyncPoint, VerifyJob, run_jobs, verify_step
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2, target_pb2, target_pb2_grpc
 

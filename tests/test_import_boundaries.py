@@ -170,6 +170,11 @@ TUNING = ["specdec.engine.kernels", "specdec.engine.draft_precision",
 LIGHT = ["specdec.settings", "specdec.config", "specdec.commands.serve",
          "specdec.commands.settings"]
 HEAVY = ["torch", "transformers", "grpc"]
+COORDINATOR = ["coordinator.server", "coordinator.servicer", "coordinator.clients"]
+# What serving a model needs and a coordinator does not: the runner, and transformers'
+# model classes (which bring torch.compile's and torch.distributed's modules).
+MODEL_LOADING = ["specdec.engine.runner", "specdec.serving.model_service",
+                 "transformers.modeling_utils", "torch._dynamo"]
 
 
 def imported_by(*modules: str) -> list[str]:
@@ -195,7 +200,12 @@ def test_settings_and_service_flags_import_nothing_heavy() -> None:
     assert offending(imported_by(*LIGHT), HEAVY) == []
 
 
+def test_the_coordinator_loads_no_model_code() -> None:
+    assert offending(imported_by(*COORDINATOR), MODEL_LOADING) == []
+
+
 @pytest.mark.parametrize("module, forbidden", [("specdec.engine.steps", CORE_FORBIDDEN),
-                                               ("specdec.engine.backends", TUNING)])
+                                               ("specdec.engine.backends", TUNING),
+                                               ("target_service.server", MODEL_LOADING)])
 def test_the_runtime_check_sees_an_import(module: str, forbidden: list[str]) -> None:
     assert offending(imported_by(module), forbidden) != []

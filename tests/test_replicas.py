@@ -39,6 +39,7 @@ from specdec.core.loop import GenerateConfig, generate
 from specdec.core.prompt_lookup import PromptLookup
 from specdec.core.sampling import SamplingParams
 from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.models import model_info
 from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import (
     common_pb2,
@@ -49,7 +50,6 @@ from specdec.proto.specdec.v1 import (
 )
 from specdec.serving.discovery import ReplicaSet, rank
 from specdec.serving.grpc_server import ServerHandle, build_server, check_health, wait_healthy
-from specdec.serving.model_service import model_info
 from specdec.serving.stack import free_port
 from specdec.telemetry.service import Telemetry
 

@@ -22,9 +22,9 @@ from specdec.engine import models
 from specdec.engine.backends.cpu import load_causal_lm
 from specdec.engine.draft_fallback import truncated_copy
 from specdec.engine.local import LocalDrafter, LocalVerifier
+from specdec.engine.models import model_info
 from specdec.engine.runner import ModelRunner
 from specdec.proto.specdec.v1 import common_pb2, coordinator_pb2
-from specdec.serving.model_service import model_info
 
 pytestmark = pytest.mark.slow
 

@@ -115,7 +115,7 @@ def test_code_defaults_are_the_registry_defaults() -> None:
     from draft_service.servicer import DraftServicer
     from specdec.core import adaptive, prompt_lookup
     from specdec.core.loop import GenerateConfig
-    from specdec.engine import steps
+    from specdec.engine import shapes
     from target_service.servicer import TargetServicer
 
     coordinator = CoordinatorSettings()
@@ -126,7 +126,7 @@ def test_code_defaults_are_the_registry_defaults() -> None:
     assert coordinator.draft_timeout_s * 1000 == default("draft-timeout-ms")
     assert coordinator.target_timeout_s == default("target-timeout-s")
     assert coordinator.draft_confidence == default("draft-confidence")
-    assert coordinator.num_alternatives == steps.DEFAULT_ALTERNATIVES \
+    assert coordinator.num_alternatives == shapes.DEFAULT_ALTERNATIVES \
         == default("draft-alternatives")
     assert (coordinator.prompt_lookup_tokens, coordinator.prompt_lookup_min,
             coordinator.prompt_lookup_max) == (

@@ -165,8 +165,7 @@ def stable_seed(*parts: object) -> int:
 
 def load_models(settings: BenchSettings) -> BenchModels:
     from specdec.engine.backends.cpu import CpuTunedBackend, load_causal_lm
-    from specdec.engine.models import parse_dtype, resolve
-    from specdec.serving.model_service import model_info
+    from specdec.engine.models import model_info, parse_dtype, resolve
 
     dtype = parse_dtype(settings.dtype)
     linear_kernel = linear_kernel_for(settings.dtype, settings.linear_kernel)

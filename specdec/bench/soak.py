@@ -126,9 +126,8 @@ def load(args: argparse.Namespace, stack: Stack, stopping: threading.Event,
     what is held afterwards. load_started[0] is set when the clients start."""
     import grpc
 
-    from specdec.engine.models import DEFAULT_TARGET
+    from specdec.engine.models import DEFAULT_TARGET, model_info
     from specdec.proto.specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from specdec.serving.model_service import model_info
 
     rng = random.Random(args.seed)
     stack.start()

@@ -12,7 +12,7 @@ from specdec.core.loop import GenerateConfig, GenerationResult, generate
 from specdec.core.policy import FixedLength, LengthPolicy
 from specdec.core.prompt_lookup import DEFAULT_LOOKUP_TOKENS, PromptLookup
 from specdec.engine.local import LocalDrafter, LocalVerifier
-from specdec.engine.steps import DEFAULT_ALTERNATIVES
+from specdec.engine.shapes import DEFAULT_ALTERNATIVES
 from specdec.settings import default
 
 # The first round's length when nothing is known yet (the server default).

@@ -7,6 +7,7 @@ safetensors cache under SPECDEC_MODEL_CACHE and loaded from there afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+
+# Tokenizers only: transformers' model classes (torch.compile's and distributed
+# modules come with them) load where a model does, so a coordinator starts without them.
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from specdec.engine.token_map import has_token_map, read_token_map
 from specdec.settings import AUTO_DTYPE, INT8_DTYPE, SETTINGS, default
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from specdec.engine.eagle3 import Eagle3DraftForCausalLM
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def prepare_smollm2(progress: bool = True) -> Path:
     out_dir = model_cache_dir() / DEFAULT_TARGET
     if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
         return out_dir
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     gguf = _smollm2_gguf_path()
     steps = ["tokenizer", "weights (dequantise)", "save safetensors"]
@@ -323,6 +324,8 @@ def load_eagle3_for(directory: Path, dtype: torch.dtype | None,
 
 def _model_class(source: Path | str) -> Any:
     """FeatureDraftForCausalLM for a feature draft (its config says so), else Auto."""
+    from transformers import AutoModelForCausalLM
+
     from specdec.engine.feature_draft import TARGET_HIDDEN_SIZE_KEY, FeatureDraftForCausalLM
 
     config_path = Path(source) / "config.json"
@@ -333,3 +336,28 @@ def _model_class(source: Path | str) -> Any:
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve(name_or_path))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a coordinator (and a draft) must know about the target without its weights."""
+
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+
+
+def model_info(name_or_path: str) -> ModelInfo:
+    from transformers import AutoConfig, GenerationConfig
+
+    source = resolve(name_or_path, progress=False)
+    config = AutoConfig.from_pretrained(source)
+    eos = getattr(config, "eos_token_id", None)
+    # generation_config.json is where chat models record their end-of-turn token.
+    with contextlib.suppress(OSError):
+        generation_eos = GenerationConfig.from_pretrained(source).eos_token_id
+        eos = eos if generation_eos is None else generation_eos
+    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+    return ModelInfo(int(config.vocab_size),
+                     int(getattr(config, "max_position_embeddings", 2048)),
+                     tuple(int(i) for i in eos_ids))

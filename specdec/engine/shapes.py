@@ -9,4 +9,13 @@ request's alternatives by it.
 
 from __future__ import annotations
 
+from specdec.settings import default
+
 DECODE_ROWS = 16
+
+# Alternatives per greedy round by default: each is one more row of the target's forward.
+DEFAULT_ALTERNATIVES: int = default("draft-alternatives")
+
+# Most tokens one verification decodes (VerifyJob's decode_steps): its forwards run
+# within one call's deadline.
+MAX_DECODE_STEPS = 64

@@ -38,7 +38,6 @@ from specdec.core.tree_acceptance import NO_ALTERNATIVES, Alternatives, draw_sib
 from specdec.engine.runner import ExtendRequest, ExtendResult, ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.errors import InvalidRequest, SpecdecError
-from specdec.settings import default
 
 
 @dataclass(frozen=True)
@@ -50,21 +49,12 @@ class DraftOutput:
     alternatives: Alternatives = NO_ALTERNATIVES
 
 
-# Alternatives per greedy round by default: each is one more row of the target's forward.
-DEFAULT_ALTERNATIVES: int = default("draft-alternatives")
-
-
 def alternatives_budget(num_draft_tokens: int, append_tokens: int = 2) -> int:
     """Most alternatives one verification takes beside k draft tokens: its rows stay
     within a decode-sized forward (DECODE_ROWS), where the row-invariant kernels cost
     about the same for any row count. append_tokens: the committed tokens a round usually
     re-sends (the last token, or an accepted alternative and the next token)."""
     return max(0, DECODE_ROWS - append_tokens - num_draft_tokens)
-
-
-# Most tokens one verification decodes (VerifyJob's decode_steps): its forwards run
-# within one call's deadline.
-MAX_DECODE_STEPS = 64
 
 
 @dataclass(frozen=True)

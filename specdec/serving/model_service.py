@@ -38,7 +38,6 @@ same cores.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import contextvars
 import logging
 import threading
@@ -52,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import grpc
 import torch
 
-from specdec.engine.models import LoadedModel, resolve
+from specdec.engine.models import LoadedModel
 from specdec.engine.runner import ModelRunner
 from specdec.engine.shapes import DECODE_ROWS
 from specdec.engine.steps import Job, step_jobs
@@ -453,31 +452,6 @@ class SessionTable:
             self._thread.join()
         self.scheduler.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a coordinator (and a draft) must know about the target without its weights."""
-
-    vocab_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...]
-
-
-def model_info(name_or_path: str) -> ModelInfo:
-    from transformers import AutoConfig, GenerationConfig
-
-    source = resolve(name_or_path, progress=False)
-    config = AutoConfig.from_pretrained(source)
-    eos = getattr(config, "eos_token_id", None)
-    # generation_config.json is where chat models record their end-of-turn token.
-    with contextlib.suppress(OSError):
-        generation_eos = GenerationConfig.from_pretrained(source).eos_token_id
-        eos = eos if generation_eos is None else generation_eos
-    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-    return ModelInfo(int(config.vocab_size),
-                     int(getattr(config, "max_position_embeddings", 2048)),
-                     tuple(int(i) for i in eos_ids))
 
 
 def load_runner(model: str, *, device: torch.device, dtype: torch.dtype,

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from specdec.core.history import SyncPoint
 from specdec.core.sampling import SamplingParams
 from specdec.core.tree_acceptance import Alternatives
-from specdec.engine.steps import SyncPoint
 from specdec.errors import InvalidRequest
 from specdec.proto.specdec.v1 import common_pb2
 
