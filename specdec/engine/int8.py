@@ -8,8 +8,9 @@ and keeps everything else (embeddings, norms, attention, the KV cache) in bfloat
 The format: each weight row is cut into groups of GROUP inputs; a group keeps a float32
 scale s and offset o, and each weight a code c in 0..120, w = s * (128 + c) + o. A
 GGUF Q4_1 block (a scale and minimum per 32 weights, 16 levels) is represented exactly
-(c = 8 * q), so the embedded SmolLM2 target keeps its own weights; other models get an
-error of at most a 240th of a group's range per weight. The operator's source
+(c = 8 * q) when quantized from its float32 weights; the loader quantizes the bfloat16
+model it loads, whose rounding moves each weight by up to a 2,000th of its group's range.
+Other weights get an error of at most a 240th of a group's range. The operator's source
 describes how the product is laid out for the CPU's vector units.
 
 A layer whose groups hold at most 16 levels each (every code a multiple of 8: a 4-bit
