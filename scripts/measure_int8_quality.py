@@ -1,17 +1,18 @@
-"""How closely the int8 target follows the bfloat16 one, on held-out chat.
+"""How closely the int8 target follows a reference (bfloat16, or float32), on held-out chat.
 
 The held-out chat is the project's held-out prompts (no training context holds them) in
-the chat template, each answered greedily by the bfloat16 target. Along those
-conversations, teacher-forced:
-- top-1 agreement: the share of answer positions where the int8 target's most probable
-  token is the bfloat16 target's greedy token (the share of greedy tokens unchanged);
-- perplexity of each model on the answers, and its ratio to bfloat16's.
+the chat template, each answered greedily by the reference target (--reference, default
+bfloat16). Along those conversations, teacher-forced:
+- top-1 agreement: the share of answer positions where the compared target's most
+  probable token is the reference's greedy token (the share of greedy tokens unchanged);
+- perplexity of each model on the answers, and its ratio to the reference's.
 Both models use the cpu-tuned backend's kernels, as the services run them.
 `--simulate-int8-inputs` instead runs the compared model's int8 weights in float32 on
 inputs rounded to 8 bits with a scale per 32 (llama.cpp's Q8 products), to measure what
 8-bit activations would cost without a kernel for them.
 
     .venv/bin/python scripts/measure_int8_quality.py --prompts 32 --max-new-tokens 64
+    .venv/bin/python scripts/measure_int8_quality.py --reference float32
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--target-model", default="smollm2-135m-instruct")
     parser.add_argument("--compare", default="int8",
-                        help="the --dtype compared with bfloat16 (int8, float32, ...)")
+                        help="the --dtype compared with the reference (int8, float32, ...)")
+    parser.add_argument("--reference", default="bfloat16",
+                        help="the --dtype that answers and is compared with (bfloat16, "
+                             "float32)")
     parser.add_argument("--simulate-int8-inputs", action="store_true",
                         help="int8 weights in float32 on inputs rounded to 8 bits per 32")
     args = parser.parse_args()
@@ -42,14 +46,17 @@ def main() -> None:
     from specdec.settings import linear_kernel_for
 
     cpu = torch.device("cpu")
-    reference = load_causal_lm(args.target_model, cpu, torch.bfloat16, progress=False)
+    reference = load_causal_lm(args.target_model, cpu, parse_dtype(args.reference),
+                               progress=False,
+                               linear_kernel=linear_kernel_for(args.reference, "auto"))
     compared = load_causal_lm(args.target_model, cpu, parse_dtype(args.compare),
                               progress=False,
                               linear_kernel=linear_kernel_for(args.compare, "auto"))
     tokenizer = reference.tokenizer
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     agree = positions = own = 0
-    nll = {"bfloat16": 0.0, args.compare: 0.0}
+    base = args.reference
+    nll = {base: 0.0, args.compare: 0.0}
     started = time.perf_counter()
     for index, prompt in enumerate(held_out_chat(args.prompts)):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
@@ -61,10 +68,10 @@ def main() -> None:
                                               pad_token_id=eos)
             start = ids.shape[1]
             targets = answer[0, start:]
-            logits = {"bfloat16": reference.model(answer).logits[0, start - 1:-1].float(),
+            logits = {base: reference.model(answer).logits[0, start - 1:-1].float(),
                       args.compare: compared.model(answer).logits[0, start - 1:-1].float()}
         agree += int((logits[args.compare].argmax(-1) == targets).sum())
-        own += int((logits["bfloat16"].argmax(-1) == targets).sum())
+        own += int((logits[base].argmax(-1) == targets).sum())
         positions += len(targets)
         for name, rows in logits.items():
             nll[name] += float(torch.nn.functional.cross_entropy(rows, targets,
@@ -73,16 +80,16 @@ def main() -> None:
               f"{time.perf_counter() - started:.0f} s", flush=True)
     perplexity = {name: math.exp(total / positions) for name, total in nll.items()}
     print(f"held-out chat: {args.prompts} prompts, {positions} answer positions "
-          f"(bfloat16 greedy answers, up to {args.max_new_tokens} tokens)")
-    print(f"top-1 agreement of {args.compare} with bfloat16: {agree / positions:.4f}")
+          f"({base} greedy answers, up to {args.max_new_tokens} tokens)")
+    print(f"top-1 agreement of {args.compare} with {base}: {agree / positions:.4f}")
     # The answers come from one-token decode steps, the teacher-forced logits from one
     # forward over the whole conversation (prefill kernels): where the two differ in
-    # the last bits, a near-tie can flip even for the bfloat16 target itself.
-    print(f"top-1 agreement of bfloat16 teacher-forced with its own answers: "
+    # the last bits, a near-tie can flip even for the reference itself.
+    print(f"top-1 agreement of {base} teacher-forced with its own answers: "
           f"{own / positions:.4f}")
     for name, value in perplexity.items():
         print(f"perplexity {name}: {value:.4f} "
-              f"({value / perplexity['bfloat16'] - 1:+.2%} against bfloat16)")
+              f"({value / perplexity[base] - 1:+.2%} against {base})")
 
 
 class Int8InputsLinear(torch.nn.Module):
