@@ -9,7 +9,7 @@ The format: each weight row is cut into groups of GROUP inputs; a group keeps a 
 scale s and offset o, and each weight a code c in 0..120, w = s * (128 + c) + o. A
 GGUF Q4_1 block (a scale and minimum per 32 weights, 16 levels) is represented exactly
 (c = 8 * q) when quantized from its float32 weights; the loader quantizes the bfloat16
-model it loads, whose rounding moves each weight by up to a 2,000th of its group's range.
+model it loads, so the served weights also carry bfloat16's rounding (docs/models.md).
 Other weights get an error of at most a 240th of a group's range. The operator's source
 describes how the product is laid out for the CPU's vector units.
 
