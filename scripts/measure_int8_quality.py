@@ -90,6 +90,38 @@ def main() -> None:
     for name, value in perplexity.items():
         print(f"perplexity {name}: {value:.4f} "
               f"({value / perplexity[base] - 1:+.2%} against {base})")
+    if args.compare == "int8":
+        served_weights(args.target_model)
+
+
+def served_weights(target_model: str) -> None:
+    """How far the int8 weights as served (quantized from the bfloat16 load) lie from the
+    checkpoint's float32 weights, for layers of 16-level groups (a GGUF Q4_1's, held
+    exactly from float32) and the others: the share equal, the largest error over its
+    group's range."""
+    from specdec.engine import int8
+    from specdec.engine.backends.cpu import load_causal_lm
+
+    model = load_causal_lm(target_model, torch.device("cpu"), torch.float32, progress=False,
+                           linear_kernel="torch").model
+    kinds: dict[str, list[float]] = {}  # kind -> [equal, total, worst]
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and int8.supports(module):
+            weight = module.weight.detach().float()
+            codes = int8.quantize(weight)[0]
+            kind = "16-level layers" if bool((codes % 8 == 0).all()) else "other layers"
+            served = int8.dequantize(*int8.quantize(weight.bfloat16()))
+            groups = weight.reshape(weight.shape[0], -1, int8.GROUP)
+            spread = (groups.amax(-1) - groups.amin(-1)).repeat_interleave(int8.GROUP, 1)
+            error = float(((served - weight).abs() / spread.clamp_min(1e-30)).max())
+            tally = kinds.setdefault(kind, [0.0, 0.0, 0.0])
+            tally[0] += int((served == weight).sum())
+            tally[1] += weight.numel()
+            tally[2] = max(tally[2], error)
+    for kind, (equal, total, worst) in kinds.items():
+        largest = f"1/{1 / worst:,.0f}" if worst else "0"
+        print(f"int8 weights as served, {kind}: {equal / total:.1%} equal to the checkpoint's "
+              f"float32, the largest error {largest} of its group's range")
 
 
 class Int8InputsLinear(torch.nn.Module):
