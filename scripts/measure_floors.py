@@ -55,6 +55,10 @@ double madd_per_ns(int64_t) { return 0.0; }
 #endif
 """
 
+# Loop iterations per peak sample: 2.4M vpmaddwd, about a millisecond, as long as the pair
+# of passes each sample is compared with.
+PEAK_ITERATIONS = 200_000
+
 HEALTH_SERVER = """
 import sys
 from concurrent import futures
@@ -101,9 +105,6 @@ def operator_rows(shape: tuple[int, int], rows: list[int], repeats: int, nibbles
             if peak_rate > 0 and second_pass_s > 0:
                 ratios.append(4 * shape[0] * shape[1] / second_pass_s / 1e9 / peak_rate)
     return [(count, statistics.median(times[count])) for count in rows], ratios
-
-
-PEAK_ITERATIONS = 200_000  # about a forward's int8 product of compute
 
 
 def peak_loop() -> Callable[[int], float]:
