@@ -55,8 +55,8 @@ double madd_per_ns(int64_t) { return 0.0; }
 #endif
 """
 
-# Loop iterations per peak sample: 2.4M vpmaddwd, about a millisecond, as long as the pair
-# of passes each sample is compared with.
+# Loop iterations per peak sample: 2.4M vpmaddwd, about a millisecond, taken right after the
+# 4- and 8-row calls it is compared with.
 PEAK_ITERATIONS = 200_000
 
 HEALTH_SERVER = """
